@@ -1,0 +1,82 @@
+"""Service settings: environment variables with the prefix ``FEATPOOL_`` and the same names as
+command-line flags (``--pool-bytes`` is ``FEATPOOL_POOL_BYTES``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1 << 20
+
+
+def default_socket_path() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(runtime) / "featpool" / "featpool.sock"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FEATPOOL_", extra="forbid")
+
+    # HTTP
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    api_key: SecretStr | None = Field(
+        None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'")
+
+    # Device and pool
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    transport: Literal["auto", "cuda_vmm", "host_shm"] = Field(
+        "auto", description="GPU pool (cuda_vmm) or host shared memory; auto picks cuda_vmm on CUDA")
+    pool_bytes: int = Field(1024 * MiB, gt=0, description="GPU tier size (cuda_vmm)")
+    host_pool_bytes: int = Field(256 * MiB, ge=0,
+                                 description="host tier size; 0 disables the host tier")
+    slab_bytes: int = Field(128 * MiB, gt=0, description="size of one slab (rounded to granularity)")
+    inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
+    max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
+    lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
+    max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
+    fallback: Literal["fallback", "wait", "reject"] = Field(
+        "fallback", description="when the first tier is full: next tier, bounded wait, or 503")
+    fallback_wait_s: float = Field(0.5, ge=0, description="bound of the 'wait' policy")
+    fabric: Literal["auto", "off", "require"] = Field(
+        "auto", description="FABRIC handles for multi-node NVLink: probe, never, or must work")
+    reap_interval_s: float = Field(0.02, gt=0, description="how often acks and deadlines are read")
+
+    # Hand-off socket
+    socket_path: Path = Field(default_factory=default_socket_path,
+                              description="Unix socket consumers attach to")
+    socket_allowed_uids: list[int] = Field(
+        default_factory=list, description="peer uids allowed; empty means this process's uid")
+    socket_allowed_gids: list[int] = Field(default_factory=list, description="peer gids allowed")
+    socket_token: SecretStr | None = Field(None, description="shared secret consumers must send")
+
+    # Encoder and batching
+    encoder: str = Field("vit-b16-224", description="built-in encoder preset")
+    encoder_weights: Path | None = Field(None, description="local safetensors file for the encoder")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU")
+    max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
+    max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
+    queue_size: int = Field(256, gt=0, description="images waiting at most; beyond -> 429")
+    decode_workers: int = Field(4, gt=0, description="threads decoding images on the CPU")
+
+    # Input limits
+    max_body_bytes: int = Field(32 * MiB, gt=0, description="largest request body")
+    max_image_bytes: int = Field(16 * MiB, gt=0, description="largest single image")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb limit")
+    max_images_per_request: int = Field(64, gt=0, description="image parts per request")
+
+    # Logs
+    log_level: str = Field("INFO", description="logging level")
+    log_json: bool = Field(False, description="one JSON object per log line")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")

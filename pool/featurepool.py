@@ -1,0 +1,343 @@
+"""FeaturePool: the tiers, the allocator per tier, the lease table and the control block behind
+one lock. This is what the HTTP service and the hand-off server talk to.
+
+Placement follows a fallback chain (GPU tier -> host tier -> inline) under a policy:
+  fallback  try each tier in order, then keep the tensor inline (served over HTTP only);
+  wait      use the first tier only; if it is full, wait up to ``wait_s`` for releases, then fail;
+  reject    use the first tier only; if it is full, fail at once.
+Every step down the chain is counted by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from pool.allocator import Extent, SlabAllocator
+from pool.backends.base import Backend
+from pool.control import ControlBlock
+from pool.errors import InvalidTensor, PoolExhausted, StaleLease, TensorTooLarge
+from pool.leases import Lease, LeaseState, LeaseTable
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["fallback", "wait", "reject"]
+INLINE = "inline"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class Tier:
+    backend: Backend
+    allocator: SlabAllocator
+
+    @property
+    def name(self) -> str:
+        return self.backend.tier
+
+
+class FeaturePool:
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        *,
+        max_leases: int = 4096,
+        default_ttl_s: float = 60.0,
+        max_ttl_s: float = 3600.0,
+        policy: Policy = "fallback",
+        wait_s: float = 0.5,
+        inline_max_bytes: int = 256 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not backends and policy != "fallback":
+            raise ValueError("a pool without tiers can only keep tensors inline (policy fallback)")
+        self.tiers = [Tier(b, SlabAllocator(b.slab_sizes)) for b in backends]
+        self.ctrl = ControlBlock.create(max_leases)
+        self.leases = LeaseTable(max_leases, clock=clock)
+        self.default_ttl_s = default_ttl_s
+        self.max_ttl_s = max_ttl_s
+        self.policy: Policy = policy
+        self.wait_s = wait_s
+        self.inline_max_bytes = inline_max_bytes
+        self.inline_bytes = 0
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.closed = False
+        # Counters, read by the metrics collector at scrape time.
+        self.created: Counter[str] = Counter()  # by tier
+        self.released: Counter[str] = Counter()  # by reason: ack, delete
+        self.expired: Counter[str] = Counter()  # by tier
+        self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
+        self.alloc_failures: Counter[str] = Counter()  # by tier
+        self.consumers_attached = 0  # kept by the hand-off server
+
+    @property
+    def epoch(self) -> int:
+        return self.ctrl.epoch
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    # ---- placing tensors -------------------------------------------------------------------
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        return min(ttl, self.max_ttl_s)
+
+    def put(self, tensor: torch.Tensor, ttl_s: float | None = None) -> Lease:
+        """Place ``tensor`` in the first tier that takes it and return a READY lease.
+
+        On the GPU tier the copy is stream-ordered: this returns before the copy finishes, and
+        consumers wait on the ready word. Raises PoolExhausted, TensorTooLarge, InvalidTensor.
+        """
+        if tensor.numel() == 0:
+            raise InvalidTensor("cannot publish an empty tensor")
+        if tensor.is_complex() or tensor.dtype == torch.bool:
+            raise InvalidTensor(f"unsupported dtype {tensor.dtype}")
+        ttl = self.clamp_ttl(ttl_s)
+        tensor = tensor.detach().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        lease, tier = self._reserve(tensor, nbytes, ttl)
+        try:
+            if tier is not None:
+                assert lease.extent is not None
+                tier.backend.publish(lease.extent, tensor, self.ctrl, lease.slot, lease.generation)
+        except BaseException:
+            with self._lock:
+                if self.leases.by_slot(lease.slot) is lease:
+                    self._end(lease, reason=None)
+            raise
+        with self._lock:
+            if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
+                self.leases.mark_ready(lease.id)
+        return lease
+
+    def _candidates(self, tensor: torch.Tensor) -> list[Tier]:
+        tiers = self.tiers
+        if tensor.device.type != "cuda":
+            # A host tensor never goes up to the GPU tier: that would be a hidden H2D copy.
+            tiers = [t for t in tiers if t.backend.device.type == "cpu"]
+            if not tiers and self.tiers and self.policy != "fallback":
+                raise InvalidTensor(
+                    f"a {tensor.device} tensor was given to a pool whose only tier is "
+                    f"{self.tiers[0].backend.transport}: move it to CUDA first"
+                )
+        return tiers if self.policy == "fallback" else tiers[:1]
+
+    def _reserve(self, tensor: torch.Tensor, nbytes: int, ttl: float) -> tuple[Lease, Tier | None]:
+        candidates = self._candidates(tensor)
+        if candidates and all(nbytes > t.allocator.max_extent for t in candidates) and (
+            self.policy != "fallback"
+        ):
+            raise TensorTooLarge(
+                f"{nbytes} bytes is larger than a whole slab "
+                f"({candidates[0].allocator.max_extent} bytes); raise the slab size"
+            )
+        deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
+        with self._lock:
+            while True:
+                self._reap_locked()
+                for i, tier in enumerate(candidates):
+                    extent = tier.allocator.allocate(nbytes)
+                    if extent is None:
+                        self.alloc_failures[tier.name] += 1
+                        if self.policy == "fallback":
+                            reason = "oversize" if nbytes > tier.allocator.max_extent else "pool_full"
+                            nxt = candidates[i + 1].name if i + 1 < len(candidates) else INLINE
+                            self.fallbacks[(reason, nxt)] += 1
+                        continue
+                    return self._lease_locked(tier, extent, tensor, nbytes, ttl), tier
+                if self.policy == "fallback":
+                    if not candidates and self.tiers:
+                        self.fallbacks[("no_tier_for_device", INLINE)] += 1
+                    return self._inline_locked(tensor, nbytes, ttl), None
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    name = candidates[0].name if candidates else "any"
+                    raise PoolExhausted(
+                        f"the {name} tier has no room for {nbytes} bytes "
+                        f"(policy {self.policy}); retry later or release leases"
+                    )
+                self._freed.wait(timeout=min(remaining, 0.01))
+
+    def _lease_locked(self, tier: Tier, extent: Extent, tensor: torch.Tensor, nbytes: int,
+                      ttl: float) -> Lease:
+        try:
+            lease = self.leases.reserve(tier=tier.name, extent=extent, shape=tuple(tensor.shape),
+                                        dtype=dtype_name(tensor.dtype), nbytes=nbytes, ttl_s=ttl)
+        except BaseException:
+            tier.allocator.free(extent)
+            raise
+        self.ctrl.set_gen(lease.slot, lease.generation)
+        self.created[tier.name] += 1
+        return lease
+
+    def _inline_locked(self, tensor: torch.Tensor, nbytes: int, ttl: float) -> Lease:
+        if self.inline_bytes + nbytes > self.inline_max_bytes:
+            raise PoolExhausted(
+                f"every tier is full and inline storage is at its limit "
+                f"({self.inline_bytes} of {self.inline_max_bytes} bytes)"
+            )
+        lease = self.leases.reserve(tier=INLINE, extent=None, shape=tuple(tensor.shape),
+                                    dtype=dtype_name(tensor.dtype), nbytes=nbytes, ttl_s=ttl)
+        lease.inline = tensor.to("cpu", copy=True)
+        self.inline_bytes += nbytes
+        self.ctrl.set_gen(lease.slot, lease.generation)
+        self.ctrl.set_ready(lease.slot, lease.generation)
+        self.created[INLINE] += 1
+        return lease
+
+    # ---- lease operations ------------------------------------------------------------------
+
+    def get(self, lease_id: str) -> Lease:
+        with self._lock:
+            self._reap_locked()
+            return self.leases.get(lease_id)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        with self._lock:
+            self._reap_locked()
+            return self.leases.renew(lease_id, self.clamp_ttl(ttl_s))
+
+    def release(self, lease_id: str) -> Lease:
+        with self._lock:
+            self._reap_locked()
+            return self._end(self.leases.get(lease_id), reason="delete")
+
+    def read(self, lease_id: str) -> torch.Tensor:
+        """A CPU copy of the lease's tensor. Raises StaleLease if the lease ended during the
+        copy (its slot could have been overwritten halfway)."""
+        with self._lock:
+            lease = self.leases.get(lease_id)
+            if lease.tier == INLINE:
+                return lease.inline  # type: ignore[no-any-return]
+            assert lease.extent is not None
+            view = self.tier(lease.tier).backend.view(
+                lease.extent, parse_dtype(lease.dtype), lease.shape)
+        # Copy outside the lock (it can be large); the GPU copy follows the producer stream, so
+        # it sees the published bytes.
+        out = view.to("cpu", copy=True)
+        with self._lock:
+            if self.leases.by_slot(lease.slot) is not lease:
+                raise StaleLease(f"lease {lease_id} ended while it was being read")
+        return out
+
+    # ---- reaping ---------------------------------------------------------------------------
+
+    def reap(self) -> int:
+        """Release acknowledged leases and expire overdue ones; returns how many ended."""
+        with self._lock:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> int:
+        slots = self.ctrl.slots
+        acked = np.flatnonzero((slots["ack"] == slots["gen"]) & (slots["gen"] != 0))
+        ended = 0
+        for slot in acked.tolist():
+            lease = self.leases.by_slot(slot)
+            if lease is not None and lease.state is LeaseState.READY:
+                self._end(lease, reason="ack")
+                ended += 1
+        for lease in self.leases.expire_due():
+            self._free_storage(lease)
+            self.expired[lease.tier] += 1
+            ended += 1
+        if ended:
+            self._freed.notify_all()
+        return ended
+
+    def _end(self, lease: Lease, reason: str | None) -> Lease:
+        self.leases.release(lease.id)
+        self._free_storage(lease)
+        if reason is not None:
+            self.released[reason] += 1
+        self._freed.notify_all()
+        return lease
+
+    def _free_storage(self, lease: Lease) -> None:
+        self.ctrl.set_gen(lease.slot, 0)  # consumers holding this lease now see it is gone
+        if lease.extent is not None:
+            self.tier(lease.tier).allocator.free(lease.extent)
+        else:
+            self.inline_bytes -= lease.nbytes
+
+    def start_reaper(self, interval_s: float = 0.05) -> None:
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.reap()
+                except Exception:  # keep reaping: one bad pass must not leak every lease
+                    log.exception("reaper pass failed")
+
+        self._reaper = threading.Thread(target=run, name="featpool-reaper", daemon=True)
+        self._reaper.start()
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            active: Counter[str] = Counter(lease.tier for lease in self.leases)
+            tiers = [
+                {
+                    "tier": t.name,
+                    "transport": t.backend.transport,
+                    "slabs": len(t.allocator.slab_sizes),
+                    "capacity_bytes": t.allocator.capacity_bytes,
+                    "used_bytes": t.allocator.used_bytes,
+                    "largest_free_bytes": t.allocator.largest_free,
+                    "leases_active": active[t.name],
+                }
+                for t in self.tiers
+            ]
+            return {
+                "epoch": self.epoch,
+                "policy": self.policy,
+                "max_leases": self.leases.max_slots,
+                "leases_active": len(self.leases),
+                "tiers": tiers,
+                "inline": {"used_bytes": self.inline_bytes, "capacity_bytes": self.inline_max_bytes,
+                           "leases_active": active[INLINE]},
+                "created": dict(self.created),
+                "released": dict(self.released),
+                "expired": dict(self.expired),
+                "fallbacks": dict(self.fallbacks),
+                "alloc_failures": dict(self.alloc_failures),
+                "consumers_attached": self.consumers_attached,
+            }
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        for t in self.tiers:
+            t.backend.close()
+        self.ctrl.close()

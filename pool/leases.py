@@ -1,0 +1,172 @@
+"""The lease table: the one place where a lease changes state.
+
+    reserve() -> RESERVED --publish--> READY --ack / delete--> RELEASED
+                    |                    |
+                    +------deadline------+--> EXPIRED
+
+Each lease occupies a numbered slot. A slot's generation goes up every time the slot is reused,
+so a consumer holding an old (slot, generation) pair can tell that its lease is gone. Ended leases
+are remembered for a while (bounded), so that a late caller hears "expired" or "released" (410)
+rather than "not found" (404).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pool.allocator import Extent
+from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
+
+GEN_MAX = 2**32 - 1  # generations are u32 words in the control block; 0 means "never used"
+
+
+class LeaseState(str, Enum):
+    RESERVED = "reserved"
+    READY = "ready"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(slots=True)
+class Lease:
+    id: str
+    slot: int
+    generation: int
+    tier: str  # "gpu", "host" or "inline"
+    extent: Extent | None  # None for inline leases
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    nbytes: int
+    created_at: float  # wall clock (seconds since the epoch), for humans
+    deadline: float  # monotonic clock
+    ttl_s: float
+    state: LeaseState = LeaseState.RESERVED
+    inline: Any = field(default=None, repr=False)  # the tensor itself for the inline tier
+
+    def expires_at(self, clock: Callable[[], float]) -> float:
+        """The deadline as wall-clock seconds since the epoch."""
+        return time.time() + (self.deadline - clock())
+
+
+class LeaseTable:
+    """Slot bookkeeping and the lease state machine. Not thread-safe: the pool holds the lock."""
+
+    def __init__(
+        self,
+        max_slots: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        remember_ended: int = 65536,
+    ) -> None:
+        if max_slots <= 0:
+            raise ValueError("max_slots must be positive")
+        self.max_slots = max_slots
+        self.clock = clock
+        self._generations = [0] * max_slots
+        # Free slots are reused in FIFO order, so a slot rests as long as possible before its
+        # generation moves on: stale readers are caught, not confused.
+        self._free_slots: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_slots))
+        self._active: dict[str, Lease] = {}
+        self._by_slot: dict[int, Lease] = {}
+        self._ended: OrderedDict[str, LeaseState] = OrderedDict()
+        self._remember_ended = remember_ended
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._active.values()))
+
+    def reserve(
+        self,
+        *,
+        tier: str,
+        extent: Extent | None,
+        shape: tuple[int, ...],
+        dtype: str,
+        nbytes: int,
+        ttl_s: float,
+    ) -> Lease:
+        if not self._free_slots:
+            raise PoolExhausted(f"all {self.max_slots} lease slots are in use")
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        slot, _ = self._free_slots.popitem(last=False)
+        gen = self._generations[slot] % GEN_MAX + 1  # skip 0 on wrap-around
+        self._generations[slot] = gen
+        lease = Lease(
+            id=secrets.token_hex(16),
+            slot=slot,
+            generation=gen,
+            tier=tier,
+            extent=extent,
+            shape=shape,
+            dtype=dtype,
+            nbytes=nbytes,
+            created_at=time.time(),
+            deadline=self.clock() + ttl_s,
+            ttl_s=ttl_s,
+        )
+        self._active[lease.id] = lease
+        self._by_slot[slot] = lease
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease, or LeaseExpired / LeaseReleased / LeaseNotFound."""
+        lease = self._active.get(lease_id)
+        if lease is not None:
+            return lease
+        ended = self._ended.get(lease_id)
+        if ended is LeaseState.EXPIRED:
+            raise LeaseExpired(f"lease {lease_id} expired")
+        if ended is LeaseState.RELEASED:
+            raise LeaseReleased(f"lease {lease_id} was released")
+        raise LeaseNotFound(f"no lease {lease_id}")
+
+    def by_slot(self, slot: int) -> Lease | None:
+        return self._by_slot.get(slot)
+
+    def mark_ready(self, lease_id: str) -> Lease:
+        lease = self.get(lease_id)
+        if lease.state is not LeaseState.RESERVED:
+            raise ValueError(f"lease {lease_id} is {lease.state.value}, not reserved")
+        lease.state = LeaseState.READY
+        return lease
+
+    def renew(self, lease_id: str, ttl_s: float) -> Lease:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        lease = self.get(lease_id)
+        lease.deadline = self.clock() + ttl_s
+        lease.ttl_s = ttl_s
+        return lease
+
+    def release(self, lease_id: str) -> Lease:
+        """End a lease by ack or delete. A second release raises LeaseReleased."""
+        return self._end(self.get(lease_id), LeaseState.RELEASED)
+
+    def expire_due(self) -> list[Lease]:
+        """End every lease whose deadline has passed; returns them (their extents to free)."""
+        now = self.clock()
+        due = [lease for lease in self._active.values() if lease.deadline <= now]
+        return [self._end(lease, LeaseState.EXPIRED) for lease in due]
+
+    def next_deadline(self) -> float | None:
+        return min((lease.deadline for lease in self._active.values()), default=None)
+
+    def _end(self, lease: Lease, state: LeaseState) -> Lease:
+        lease.state = state
+        lease.inline = None
+        del self._active[lease.id]
+        del self._by_slot[lease.slot]
+        self._free_slots[lease.slot] = None
+        self._ended[lease.id] = state
+        while len(self._ended) > self._remember_ended:
+            self._ended.popitem(last=False)
+        return lease
