@@ -37,6 +37,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def epoch_hex(epoch: int) -> str:
+    return f"{epoch:016x}"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -247,6 +251,27 @@ class FeaturePool:
             if self.leases.by_slot(lease.slot) is not lease:
                 raise StaleLease(f"lease {lease_id} ended while it was being read")
         return out
+
+    def describe(self, lease: Lease) -> dict[str, Any]:
+        """The lease descriptor that HTTP clients and socket consumers receive."""
+        transport = INLINE if lease.tier == INLINE else self.tier(lease.tier).backend.transport
+        return {
+            "lease_id": lease.id,
+            "epoch": epoch_hex(self.epoch),
+            "state": lease.state.value,
+            "tier": lease.tier,
+            "transport": transport,
+            "slab": lease.extent.slab if lease.extent else None,
+            "offset": lease.extent.offset if lease.extent else None,
+            "nbytes": lease.nbytes,
+            "shape": list(lease.shape),
+            "dtype": lease.dtype,
+            "slot": lease.slot,
+            "generation": lease.generation,
+            "created_at": lease.created_at,
+            "expires_at": lease.expires_at(self.clock),
+            "ttl_s": lease.ttl_s,
+        }
 
     # ---- reaping ---------------------------------------------------------------------------
 

@@ -1,0 +1,300 @@
+"""FeatureClient: what a consumer process (an LLM prefill worker, a scheduler) uses to map
+features out of a featpool producer without copying them.
+
+    with FeatureClient.connect("/run/featpool/featpool.sock") as client:
+        feats = client.open(lease)      # zero-copy tensor view; waits until the lease is ready
+        ...                             # use feats (read-only)
+        client.release(lease)           # ack: the producer recycles the memory
+
+``lease`` is the descriptor the HTTP API returned (a dict) or just its ``lease_id``.
+On the GPU tier ``open`` and ``release`` are stream-ordered on the current CUDA stream: open
+enqueues a wait on the lease's ready word, release enqueues the ack after your reads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+from pool.backends.host_shm import map_slab, tensor_over
+from pool.control import ControlBlock
+from pool.errors import (
+    HandoffError,
+    LeaseExpired,
+    LeaseNotFound,
+    LeaseReleased,
+    PeerRejected,
+    PoolError,
+    PoolRestarted,
+    StaleLease,
+)
+from pool.featurepool import INLINE, epoch_hex, parse_dtype
+from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
+
+LeaseRef = str | Mapping[str, Any]
+
+_ERRORS: dict[str, type[PoolError]] = {
+    "lease_not_found": LeaseNotFound,
+    "lease_expired": LeaseExpired,
+    "lease_released": LeaseReleased,
+    "stale_lease": StaleLease,
+    "peer_rejected": PeerRejected,
+}
+
+
+class SlabMapping(Protocol):
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class _HostSlab:
+    def __init__(self, fd: int, size: int) -> None:
+        self._mm: mmap.mmap | None = map_slab(fd, size, writable=False)
+        os.close(fd)  # the mapping keeps the memory; the FD is no longer needed
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        assert self._mm is not None, "slab closed"
+        return tensor_over(self._mm, offset, dtype, shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a tensor still views it; it is unmapped with the last view
+                pass
+            self._mm = None
+
+
+class FeatureClient:
+    def __init__(self, socket_path: str | os.PathLike[str], *, token: str | None = None,
+                 device: torch.device | str | None = None, timeout_s: float = 10.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.token = token
+        self.device = torch.device(device) if device is not None else None
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._ctrl: ControlBlock | None = None
+        self._slabs: dict[tuple[str, int], SlabMapping] = {}
+        self._transports: dict[str, str] = {}
+        self._cuda: Any = None  # pool.backends.cuda_vmm.CudaConsumer when a GPU tier exists
+        self.epoch = ""
+        self.welcome: dict[str, Any] = {}
+
+    # ---- attach ----------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, socket_path: str | os.PathLike[str], *, token: str | None = None,
+                device: torch.device | str | None = None,
+                timeout_s: float = 10.0) -> FeatureClient:
+        """Attach to a producer: receive the control block and slab FDs once and map them."""
+        client = cls(socket_path, token=token, device=device, timeout_s=timeout_s)
+        client._attach()
+        return client
+
+    def _attach(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(str(self.socket_path))
+            hello: dict[str, Any] = {"op": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid()}
+            if self.token is not None:
+                hello["token"] = self.token
+            send_msg(sock, hello)
+            msg, fds = recv_msg(sock, want_fds=True)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            _raise_if_error(msg)
+            if msg["op"] != "welcome" or len(fds) != 1 + len(msg["slabs"]):
+                raise HandoffError(f"unexpected answer to hello: {msg['op']} with {len(fds)} FDs")
+            self._map(msg, fds)
+        except BaseException:
+            sock.close()
+            for fd in fds:
+                _close_quietly(fd)
+            self._unmap()
+            raise
+        self._sock = sock
+        self.epoch = msg["epoch"]
+        self.welcome = msg
+
+    def _map(self, msg: dict[str, Any], fds: list[int]) -> None:
+        ctrl_fd, slab_fds = fds[0], fds[1:]
+        self._ctrl = ControlBlock.attach(ctrl_fd)
+        if epoch_hex(self._ctrl.epoch) != msg["epoch"]:
+            raise HandoffError("control block epoch does not match the welcome message")
+        for slab, fd in zip(msg["slabs"], slab_fds, strict=True):
+            self._transports[slab["tier"]] = slab["transport"]
+            key = (slab["tier"], slab["index"])
+            if slab["transport"] == "host_shm":
+                self._slabs[key] = _HostSlab(fd, slab["size"])
+            elif slab["transport"] == "cuda_vmm":
+                self._slabs[key] = self._cuda_consumer(msg).map_slab(fd, slab["size"])
+            else:
+                os.close(fd)
+                raise HandoffError(f"unknown transport {slab['transport']!r}")
+
+    def _cuda_consumer(self, msg: dict[str, Any]) -> Any:
+        if self._cuda is None:
+            from pool.backends.cuda_vmm import CudaConsumer
+
+            assert self._ctrl is not None
+            self._cuda = CudaConsumer(self._ctrl, msg.get("cuda", {}), self.device)
+        return self._cuda
+
+    def reattach(self) -> None:
+        """Drop every mapping and attach again (after the producer restarted)."""
+        self.close()
+        self._attach()
+
+    # ---- leases ----------------------------------------------------------------------------
+
+    def lookup(self, lease_id: str) -> dict[str, Any]:
+        """The lease's descriptor, from the producer."""
+        reply = self._request({"op": "lookup", "lease_id": lease_id})
+        return dict(reply["lease"])
+
+    def open(self, lease: LeaseRef, *, timeout_s: float | None = None) -> torch.Tensor:
+        """A zero-copy, read-only tensor over the lease's features.
+
+        Host tier: waits (on the host, up to ``timeout_s``) for the ready word. GPU tier: enqueues
+        the wait on the current CUDA stream and returns at once; kernels you launch after it on
+        that stream see the published bytes.
+        """
+        desc = self._descriptor(lease)
+        if desc["tier"] == INLINE:
+            raise PoolError(
+                f"lease {desc['lease_id']} is inline (every pool tier was full): fetch it with "
+                f"GET /v1/leases/{desc['lease_id']}/tensor and release it with release()"
+            )
+        ctrl = self._check_live(desc)
+        slot, gen = int(desc["slot"]), int(desc["generation"])
+        mapping = self._slabs[(desc["tier"], int(desc["slab"]))]
+        if self._transports[desc["tier"]] == "cuda_vmm":
+            self._cuda.wait_ready(slot, gen)
+        else:
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            while ctrl.ready(slot) < gen:  # the ready word only grows: >= means published
+                if ctrl.gen(slot) != gen:
+                    raise StaleLease(f"lease {desc['lease_id']} ended before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"lease {desc['lease_id']} not ready after {timeout_s}s")
+                time.sleep(0.0001)
+        return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]),
+                              tuple(desc["shape"]))
+
+    def is_current(self, lease: LeaseRef) -> bool:
+        """True while the lease still owns its slot. Check it after reading if the deadline may
+        have passed while you read: False means the bytes may have been overwritten."""
+        desc = self._descriptor(lease)
+        assert self._ctrl is not None
+        return desc["epoch"] == self.epoch and self._ctrl.gen(int(desc["slot"])) == int(
+            desc["generation"])
+
+    def release(self, lease: LeaseRef) -> None:
+        """Tell the producer you are done. Writes the ack word (stream-ordered on the GPU tier);
+        inline leases are released over the socket."""
+        desc = self._descriptor(lease)
+        if desc["tier"] == INLINE:
+            self._request({"op": "release", "lease_id": desc["lease_id"]})
+            return
+        ctrl = self._check_live(desc)
+        slot, gen = int(desc["slot"]), int(desc["generation"])
+        if self._transports[desc["tier"]] == "cuda_vmm":
+            self._cuda.ack(slot, gen)
+        else:
+            ctrl.set_ack(slot, gen)
+
+    def renew(self, lease: LeaseRef, ttl_s: float | None = None) -> dict[str, Any]:
+        desc = self._descriptor(lease)
+        reply = self._request({"op": "renew", "lease_id": desc["lease_id"], "ttl_s": ttl_s})
+        return dict(reply["lease"])
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _descriptor(self, lease: LeaseRef) -> Mapping[str, Any]:
+        if isinstance(lease, str):
+            return self.lookup(lease)
+        missing = {"lease_id", "epoch", "tier", "slot", "generation"} - set(lease)
+        if missing:
+            raise ValueError(f"lease descriptor lacks {sorted(missing)}")
+        return lease
+
+    def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock:
+        if self._ctrl is None:
+            raise HandoffError("client is closed; connect again")
+        if desc["epoch"] != self.epoch:
+            raise PoolRestarted(
+                f"lease {desc['lease_id']} is from pool epoch {desc['epoch']} but this client is "
+                f"attached to epoch {self.epoch}: the producer restarted; call reattach() and "
+                f"get new leases"
+            )
+        if self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
+            raise StaleLease(
+                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)")
+        return self._ctrl
+
+    def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self._sock is None:
+                raise HandoffError("client is closed; connect again")
+            try:
+                send_msg(self._sock, msg)
+                reply, _ = recv_msg(self._sock)
+            except (ConnectionError, BrokenPipeError) as e:
+                raise PoolRestarted(
+                    f"the producer closed the hand-off connection ({e}); it may have restarted: "
+                    f"call reattach()") from e
+        _raise_if_error(reply)
+        return reply
+
+    def _unmap(self) -> None:
+        for m in self._slabs.values():
+            m.close()
+        self._slabs.clear()
+        self._transports.clear()
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda = None
+        if self._ctrl is not None:
+            self._ctrl.close()
+            self._ctrl = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+        self._unmap()
+
+    def __enter__(self) -> FeatureClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _raise_if_error(msg: dict[str, Any]) -> None:
+    if msg.get("op") == "error":
+        cls = _ERRORS.get(str(msg.get("type")), HandoffError)
+        raise cls(str(msg.get("message", "error")))
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

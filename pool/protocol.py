@@ -1,0 +1,91 @@
+"""Wire format of the hand-off socket: length-prefixed JSON messages, file descriptors passed
+alongside with SCM_RIGHTS. Nothing is ever unpickled. docs/protocol.md is the reference.
+
+A frame is a 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON (an object).
+FDs, when a message carries any, arrive with the first bytes of the frame.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from typing import Any
+
+from pool.errors import HandoffError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 20  # a message is a small JSON object; anything larger is an attack or a bug
+MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
+_LEN = struct.Struct(">I")
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise HandoffError(f"message of {len(body)} bytes exceeds {MAX_FRAME}")
+    data = _LEN.pack(len(body)) + body
+    if fds:
+        if len(fds) > MAX_FDS:
+            raise HandoffError(f"{len(fds)} FDs exceed {MAX_FDS} per message")
+        sent = socket.send_fds(sock, [data], fds)
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def recv_msg(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame. Raises ConnectionError on EOF, HandoffError on a malformed frame."""
+    fds: list[int] = []
+    if want_fds:
+        head, got, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
+        fds = list(got)
+    else:
+        head = sock.recv(_LEN.size)
+    try:
+        if not head:
+            raise ConnectionError("peer closed the connection")
+        head += _recv_exact(sock, _LEN.size - len(head))
+        (length,) = _LEN.unpack(head)
+        if length > MAX_FRAME:
+            raise HandoffError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        body = _recv_exact(sock, length)
+        try:
+            msg = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HandoffError(f"frame is not JSON: {e}") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise HandoffError("a message must be a JSON object with a string 'op'")
+        return msg, fds
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection mid-frame")
+        buf += chunk
+    return bytes(buf)
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    fmt = array.array("i", [0, 0, 0])
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, fmt.itemsize * 3)
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid

@@ -1,0 +1,219 @@
+"""The hand-off server: consumers on the node connect to a Unix socket, are checked, and receive
+the control block and slab FDs once. Later messages look up, renew or release leases.
+
+Security: the peer's uid/gid (SO_PEERCRED, from the kernel, not the peer) must be on the
+allowlist, an optional shared token must match, the socket file is mode 0660, and messages are
+JSON: nothing is ever unpickled. Each connection has its own thread; a malformed message ends
+only that connection.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from pool.errors import HandoffError, PoolError
+from pool.featurepool import FeaturePool, epoch_hex
+from pool.protocol import PROTOCOL_VERSION, peer_credentials, recv_msg, send_msg
+
+log = logging.getLogger(__name__)
+
+
+class HandoffServer:
+    def __init__(
+        self,
+        pool: FeaturePool,
+        path: str | os.PathLike[str],
+        *,
+        allowed_uids: Iterable[int] = (),
+        allowed_gids: Iterable[int] = (),
+        token: str | None = None,
+        extra_welcome: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.path = Path(path)
+        self.allowed_uids = set(allowed_uids) or {os.getuid()}
+        self.allowed_gids = set(allowed_gids)
+        self.token = token
+        self.extra_welcome = extra_welcome
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.path))
+            os.chmod(self.path, 0o660)
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, name="featpool-handoff",
+                                        daemon=True)
+        self._thread.start()
+        log.info("hand-off socket listening at %s (uids %s, gids %s, token %s)", self.path,
+                 sorted(self.allowed_uids), sorted(self.allowed_gids),
+                 "required" if self.token else "off")
+
+    def _remove_stale_socket(self) -> None:
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise HandoffError(f"{self.path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.path))
+        except OSError:
+            self.path.unlink()  # nobody listens: a leftover of a crashed server
+            return
+        finally:
+            probe.close()
+        raise HandoffError(f"another featpool server is listening on {self.path}")
+
+    def close(self) -> None:
+        self._closing = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closing:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                break
+            threading.Thread(target=self._serve, args=(conn,), name="featpool-consumer",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        attached = False
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            pid, uid, gid = peer_credentials(conn)
+            if uid not in self.allowed_uids and gid not in self.allowed_gids:
+                log.warning("hand-off peer pid %d uid %d gid %d rejected", pid, uid, gid)
+                send_msg(conn, _error("peer_rejected", f"uid {uid} / gid {gid} not allowed"))
+                return
+            msg, _ = recv_msg(conn)
+            if msg["op"] != "hello":
+                send_msg(conn, _error("protocol_error", "the first message must be 'hello'"))
+                return
+            if msg.get("version") != PROTOCOL_VERSION:
+                send_msg(conn, _error("protocol_error",
+                                      f"protocol version {msg.get('version')!r} unsupported; "
+                                      f"this server speaks {PROTOCOL_VERSION}"))
+                return
+            if self.token and not hmac.compare_digest(str(msg.get("token", "")), self.token):
+                log.warning("hand-off peer pid %d uid %d: bad token", pid, uid)
+                send_msg(conn, _error("peer_rejected", "bad or missing token"))
+                return
+            welcome, fds = self._welcome()
+            send_msg(conn, welcome, fds)
+            attached = True
+            with self._lock:
+                self.pool.consumers_attached += 1
+            log.info("consumer pid %d uid %d attached", pid, uid)
+            while True:
+                msg, _ = recv_msg(conn)
+                send_msg(conn, self._handle(msg))
+        except ConnectionError:
+            pass
+        except HandoffError as e:
+            try:
+                send_msg(conn, _error("protocol_error", str(e)))
+            except OSError:
+                pass
+        except OSError as e:
+            if not self._closing:
+                log.info("hand-off connection ended: %s", e)
+        finally:
+            if attached:
+                with self._lock:
+                    self.pool.consumers_attached -= 1
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
+        slabs: list[dict[str, Any]] = []
+        fds = [self.pool.ctrl.fd]
+        for tier in self.pool.tiers:
+            for i, (fd, size) in enumerate(zip(tier.backend.slab_fds(), tier.backend.slab_sizes,
+                                               strict=True)):
+                slabs.append({"tier": tier.name, "transport": tier.backend.transport,
+                              "index": i, "size": size})
+                fds.append(fd)
+        msg: dict[str, Any] = {
+            "op": "welcome",
+            "version": PROTOCOL_VERSION,
+            "epoch": epoch_hex(self.pool.epoch),
+            "nslots": self.pool.ctrl.nslots,
+            "control_size": self.pool.ctrl.size,
+            "slabs": slabs,
+        }
+        if self.extra_welcome is not None:
+            msg.update(self.extra_welcome())
+        return msg, fds
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg["op"]
+        lease_id = msg.get("lease_id")
+        if op not in ("lookup", "release", "renew"):
+            return _error("protocol_error", f"unknown op {op!r}")
+        if not isinstance(lease_id, str):
+            return _error("protocol_error", f"'{op}' needs a string 'lease_id'")
+        try:
+            if op == "lookup":
+                return {"op": "lease", "lease": self.pool.describe(self.pool.get(lease_id))}
+            if op == "release":
+                self.pool.release(lease_id)
+                return {"op": "released", "lease_id": lease_id}
+            ttl = msg.get("ttl_s")
+            if ttl is not None and not isinstance(ttl, int | float):
+                return _error("protocol_error", "'ttl_s' must be a number")
+            return {"op": "lease", "lease": self.pool.describe(self.pool.renew(lease_id, ttl))}
+        except PoolError as e:
+            return _error(e.type, str(e))
+        except ValueError as e:
+            return _error("protocol_error", str(e))
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"op": "error", "type": kind, "message": message}
