@@ -1,0 +1,93 @@
+"""Building the pool's tiers from settings, with the CUDA decision made once, at start-up, and
+explained: which transport, why, and what fell back."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from app.settings import Settings
+from pool.backends.base import Backend
+from pool.backends.host_shm import HostShmBackend
+from pool.errors import CudaUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Capabilities:
+    """What start-up found; logged once and served in /v1/pool."""
+
+    device: str
+    transport: str
+    cuda: bool
+    vmm: bool = False
+    posix_fd: bool = False
+    fabric: bool = False
+    fabric_reason: str = ""
+    startup_fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (reason, tier)
+
+
+def resolve_device(settings: Settings) -> torch.device:
+    if settings.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CudaUnavailable(
+            f"--device {settings.device} (FEATPOOL_DEVICE) needs an NVIDIA GPU with CUDA, and "
+            f"torch sees none (torch {torch.__version__}); use --device cpu")
+    return device
+
+
+def split_slabs(total: int, slab: int) -> list[int]:
+    """``total`` bytes as slabs of at most ``slab`` bytes, each a multiple of 2 MiB (the VMM
+    granularity on current GPUs; harmless for memfd)."""
+    unit = 2 << 20
+    slab = max(unit, slab // unit * unit)
+    total = max(unit, (total + unit - 1) // unit * unit)
+    sizes = [slab] * (total // slab)
+    if total % slab:
+        sizes.append(total % slab)
+    return sizes
+
+
+def build_backends(settings: Settings, device: torch.device) -> tuple[list[Backend], Capabilities]:
+    caps = Capabilities(device=str(device), transport="host_shm", cuda=device.type == "cuda")
+    backends: list[Backend] = []
+    want_gpu = settings.transport == "cuda_vmm" or (
+        settings.transport == "auto" and device.type == "cuda")
+    if want_gpu:
+        if device.type != "cuda":
+            raise CudaUnavailable(
+                "--transport cuda_vmm (FEATPOOL_TRANSPORT) needs an NVIDIA GPU with CUDA, but the "
+                f"device is {device} (torch.cuda.is_available() is "
+                f"{torch.cuda.is_available()}); use --transport host_shm")
+        try:
+            from pool.backends.cuda_vmm import CudaVmmBackend
+
+            gpu = CudaVmmBackend.create(
+                device.index if device.index is not None else torch.cuda.current_device(),
+                pool_bytes=settings.pool_bytes, slab_bytes=settings.slab_bytes,
+                fabric=settings.fabric)
+        except (CudaUnavailable, ImportError) as e:
+            if settings.transport == "cuda_vmm":
+                raise CudaUnavailable(
+                    f"--transport cuda_vmm (FEATPOOL_TRANSPORT) could not start: {e}; "
+                    f"use --transport host_shm") from e
+            log.warning("GPU pool unavailable (%s); falling back to the host pool", e)
+            caps.startup_fallbacks.append(("no_cuda", "host"))
+        else:
+            backends.append(gpu)
+            caps.transport = "cuda_vmm"
+            caps.vmm = caps.posix_fd = True
+            status = getattr(gpu, "fabric_status", None)
+            if status is not None:
+                caps.fabric = bool(status.available)
+                caps.fabric_reason = str(status.reason)
+                if not status.available and settings.fabric == "auto":
+                    caps.startup_fallbacks.append(("fabric_unavailable", "gpu"))
+    if settings.host_pool_bytes > 0:
+        backends.append(HostShmBackend(split_slabs(settings.host_pool_bytes, settings.slab_bytes)))
+    return backends, caps

@@ -1,0 +1,167 @@
+"""Dynamic batching: one owner of a bounded queue; a batch closes when it is full or when its
+first item has waited ``max_wait_s``. The next batch is gathered while the previous one runs.
+
+Admission is all-or-nothing per request: a request of n images is queued only if n places are
+free, otherwise it is turned away at once (429) instead of queueing without bound. Items whose
+requester went away are skipped; results that nobody will read are handed to ``discard`` (so
+the leases they hold are released, not leaked). A failing batch fails only its own items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from app.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class _Item(Generic[T, R]):
+    value: T
+    future: asyncio.Future[R]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class BatchStats:
+    size: int
+    queue_wait_s: list[float]
+    run_s: float
+    skipped: int
+
+
+class Batcher(Generic[T, R]):
+    def __init__(
+        self,
+        run_batch: Callable[[list[T]], Sequence[R | BaseException]],
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        queue_size: int,
+        discard: Callable[[R], None] = lambda _: None,
+        on_batch: Callable[[BatchStats], None] = lambda _: None,
+        in_flight: int = 2,
+    ) -> None:
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.queue_size = queue_size
+        self._discard = discard
+        self._on_batch = on_batch
+        self._queue: asyncio.Queue[_Item[T, R]] = asyncio.Queue()
+        self._slots = asyncio.Semaphore(in_flight)  # batches gathered but not yet finished
+        # One thread runs batches, in order: the encoder and its CUDA stream are not shared.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-batch")
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if not item.future.done():
+                item.future.set_exception(ApiError("not_ready", "the service is shutting down"))
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def submit(self, values: Sequence[T]) -> list[R]:
+        """Queue all values (or none: 429) and wait for their results, in order."""
+        if self._task is None or self._task.done():
+            raise ApiError("not_ready", "the encoder is not running")
+        if self._queue.qsize() + len(values) > self.queue_size:
+            raise ApiError("queue_full",
+                           f"{self._queue.qsize()} images are queued (limit {self.queue_size})",
+                           headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        items = [_Item[T, R](v, loop.create_future()) for v in values]
+        for item in items:
+            self._queue.put_nowait(item)
+        try:
+            return list(await asyncio.gather(*(i.future for i in items)))
+        except BaseException:
+            for i in items:  # our other items: drop them if still queued, discard if done
+                if not i.future.done():
+                    i.future.cancel()
+                elif not i.future.cancelled() and i.future.exception() is None:
+                    self._discard(i.future.result())
+            raise
+
+    async def _loop(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._gather()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _gather(self) -> list[_Item[T, R]]:
+        first = await self._queue.get()
+        batch = [first]
+        deadline = first.enqueued + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            timeout = deadline - time.perf_counter()
+            if timeout <= 0:
+                while len(batch) < self.max_batch_size and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+            except TimeoutError:
+                break
+        return batch
+
+    async def _run(self, batch: list[_Item[T, R]]) -> None:
+        try:
+            live = [i for i in batch if not i.future.done()]
+            if not live:
+                return
+            started = time.perf_counter()
+            waits = [started - i.enqueued for i in live]
+            loop = asyncio.get_running_loop()
+            try:
+                results: Sequence[R | BaseException] = await loop.run_in_executor(
+                    self._executor, self._run_batch, [i.value for i in live])
+                if len(results) != len(live):
+                    raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
+            except Exception as e:
+                log.exception("batch of %d failed", len(live))
+                results = [e] * len(live)
+            for item, result in zip(live, results, strict=True):
+                if item.future.done():  # the requester went away while we worked
+                    if not isinstance(result, BaseException):
+                        self._discard(result)
+                elif isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result(result)
+            self._on_batch(BatchStats(len(live), waits, time.perf_counter() - started,
+                                      len(batch) - len(live)))
+        finally:
+            self._slots.release()

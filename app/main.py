@@ -1,0 +1,84 @@
+"""The app factory. Nothing heavy happens at import; the lifespan builds pool -> encoder ->
+batcher before the first request and tears them down in reverse."""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+from fastapi import FastAPI
+
+from app import errors
+from app.encoders.base import Encoder
+from app.engine import Engine
+from app.metrics import Metrics
+from app.middleware import ServiceMiddleware
+from app.routes import ops, v1
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    try:
+        return version("featpool")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def create_app(settings: Settings | None = None, *, encoder: Encoder | None = None) -> FastAPI:
+    """Build the service. ``encoder`` replaces the configured one (tests pass a fake)."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    engine = Engine(settings, metrics, encoder)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        assert engine.caps is not None and engine.encoder is not None
+        metrics.build_info.labels(
+            package_version(), torch.__version__, torch.version.cuda or "none",
+            engine.caps.transport, engine.encoder.name, str(engine.device)).set(1)
+        metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
+        metrics.queue_depth.set_function(
+            lambda: float(engine.batcher.depth if engine.batcher else 0))
+        log_startup(settings, engine)
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="featpool", version=package_version(), lifespan=lifespan,
+                  description="GPU feature transport: encode images, lease the features, map "
+                              "them zero-copy from another process.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.engine = engine
+    errors.install(app)
+    app.include_router(v1)
+    app.include_router(ops)
+    app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def log_startup(settings: Settings, engine: Engine) -> None:
+    """One line: the settings that differ from the defaults, and what the machine can do."""
+    defaults = Settings.model_construct()
+    changed = {k: ("***" if "key" in k or "token" in k else v)
+               for k, v in settings.model_dump().items()
+               if k != "socket_path" and v != getattr(defaults, k, None)}
+    caps = engine.caps
+    log.info(
+        "featpool %s ready: device=%s transport=%s encoder=%s output=%s socket=%s "
+        "vmm=%s posix_fd=%s fabric=%s%s python=%s torch=%s non-default settings=%s",
+        package_version(), engine.device, caps.transport if caps else "?",
+        engine.encoder.name if engine.encoder else "?",
+        list(engine.encoder.output_shape) if engine.encoder else "?", settings.socket_path,
+        caps.vmm if caps else False, caps.posix_fd if caps else False,
+        caps.fabric if caps else False,
+        f" ({caps.fabric_reason})" if caps and caps.fabric_reason else "",
+        platform.python_version(), torch.__version__, changed)

@@ -1,0 +1,101 @@
+"""Pure-ASGI middleware: request IDs, request metrics, and the body-size limit (enforced while
+the body streams in, so a chunked upload cannot get past it either)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.metrics import Metrics
+
+log = logging.getLogger("app.access")
+
+ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/pool", "/health", "/metrics")
+
+
+def endpoint_label(path: str) -> str:
+    """A small fixed set of label values: never a lease ID in a label."""
+    for prefix in ENDPOINTS:
+        if path.startswith(prefix):
+            if prefix == "/v1/leases":
+                return "/v1/leases/{id}/tensor" if path.endswith("/tensor") else "/v1/leases/{id}"
+            return prefix
+    return "other"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class ServiceMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        endpoint = endpoint_label(scope["path"])
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"],
+                                      (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        received = 0
+
+        async def receive_wrapper() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            length = headers.get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                raise _BodyTooLarge
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except _BodyTooLarge:
+            if response_started:
+                raise
+            status = 413
+            await _send_json(send_wrapper, 413, {"error": {
+                "type": "payload_too_large",
+                "message": f"request body exceeds {self.max_body_bytes} bytes"}})
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.requests.labels(endpoint, f"{status // 100}xx").inc()
+            self.metrics.request_seconds.labels(endpoint).observe(elapsed)
+            if endpoint not in ("/metrics", "/health"):
+                log.info("%s %s -> %d in %.1f ms", scope["method"], scope["path"], status,
+                         elapsed * 1000, extra={"request_id": request_id, "status": status})
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": data})
