@@ -1,0 +1,100 @@
+"""The encoder interface, and the shared plumbing of the built-in implementations."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """Turns a batch of normalised images into feature tokens.
+
+    `encode` takes `[B, 3, image_size, image_size]` floats already normalised with `mean`/`std`,
+    on `device` (any float dtype), and returns `[B, *output_shape]` in `dtype` on `device`.
+    """
+
+    name: str
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    output_shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None: ...
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`cuda` -> `cuda:<current>`, so that device comparisons are exact."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class ModuleEncoder:
+    """An `Encoder` around an `nn.Module`: input checks, casting, inference mode, warm-up.
+
+    Subclasses set the attributes and `_forward` (a callable from a `dtype` batch to tokens).
+    """
+
+    name: str
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    output_shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+    module: nn.Module
+    _forward: Callable[[torch.Tensor], torch.Tensor]
+
+    def _maybe_compile(self, compile: bool) -> None:
+        if not compile:
+            return
+        if self.device.type != "cuda":
+            log.warning(
+                "encoder %s: torch.compile is only used on CUDA; running eagerly on %s",
+                self.name,
+                self.device,
+            )
+            return
+        # Shapes are static per batch size; warmup() compiles each size the batcher will use.
+        self._forward = torch.compile(self._forward, dynamic=False)
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        # Only metadata is inspected here: nothing in encode() waits for the GPU.
+        s = self.image_size
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, s, s):
+            raise ValueError(
+                f"encoder {self.name} expects [B, 3, {s}, {s}], got {list(pixels.shape)}"
+            )
+        if pixels.device.type != self.device.type:
+            raise ValueError(
+                f"encoder {self.name} runs on {self.device}, got a tensor on {pixels.device}"
+            )
+        if not pixels.is_floating_point():
+            raise TypeError(f"encoder {self.name} expects normalised floats, got {pixels.dtype}")
+        with torch.inference_mode():
+            out = self._forward(pixels.to(self.dtype))
+            return out.to(self.dtype)
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        s = self.image_size
+        for b in batch_sizes:
+            self.encode(torch.zeros(b, 3, s, s, device=self.device, dtype=self.dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
