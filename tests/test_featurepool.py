@@ -1,0 +1,137 @@
+import threading
+
+import pytest
+import torch
+
+from pool.backends.host_shm import HostShmBackend
+from pool.errors import (
+    InvalidTensor,
+    LeaseExpired,
+    LeaseReleased,
+    PoolExhausted,
+    TensorTooLarge,
+)
+from pool.featurepool import FeaturePool
+from tests.conftest import FakeClock
+
+MiB = 1 << 20
+
+
+def make_pool(slabs: list[int], **kw: object) -> FeaturePool:
+    return FeaturePool([HostShmBackend(slabs)], **kw)  # type: ignore[arg-type]
+
+
+def test_put_read_release_roundtrip() -> None:
+    p = make_pool([MiB], max_leases=8)
+    x = torch.randn(17, 33)
+    lease = p.put(x)
+    assert p.ctrl.gen(lease.slot) == lease.generation == p.ctrl.ready(lease.slot)
+    assert torch.equal(p.read(lease.id), x)
+    p.release(lease.id)
+    assert p.stats()["tiers"][0]["used_bytes"] == 0
+    assert p.ctrl.gen(lease.slot) == 0  # consumers see at once that it is gone
+    with pytest.raises(LeaseReleased):
+        p.read(lease.id)
+    p.close()
+
+
+def test_consumer_ack_word_releases_on_reap() -> None:
+    p = make_pool([MiB])
+    lease = p.put(torch.ones(10))
+    p.ctrl.set_ack(lease.slot, lease.generation - 1)  # an old ack must not count
+    assert p.reap() == 0
+    p.ctrl.set_ack(lease.slot, lease.generation)
+    assert p.reap() == 1
+    assert p.stats()["released"] == {"ack": 1}
+    assert p.stats()["leases_active"] == 0
+    p.close()
+
+
+def test_deadline_expires_and_frees(clock: FakeClock) -> None:
+    p = make_pool([MiB], clock=clock, default_ttl_s=5)
+    lease = p.put(torch.ones(1000))
+    clock.advance(6)
+    with pytest.raises(LeaseExpired):
+        p.get(lease.id)
+    s = p.stats()
+    assert s["tiers"][0]["used_bytes"] == 0 and s["expired"] == {"host": 1}
+    p.close()
+
+
+def test_fallback_chain_counts_reasons() -> None:
+    p = make_pool([MiB], inline_max_bytes=4 * MiB)
+    big = p.put(torch.zeros(MiB // 4 - 64))  # nearly the whole slab
+    spill = p.put(torch.zeros(1024))  # host full -> inline
+    assert (big.tier, spill.tier) == ("host", "inline")
+    oversize = p.put(torch.zeros(MiB // 2))  # larger than any slab -> inline
+    assert oversize.tier == "inline"
+    assert p.stats()["fallbacks"] == {("pool_full", "inline"): 1, ("oversize", "inline"): 1}
+    assert torch.equal(p.read(spill.id), torch.zeros(1024))
+    p.release(spill.id)
+    p.release(oversize.id)
+    assert p.inline_bytes == 0
+    p.close()
+
+
+def test_inline_is_bounded() -> None:
+    p = make_pool([4096], inline_max_bytes=8192)
+    p.put(torch.zeros(1024))  # host
+    p.put(torch.zeros(2048))  # inline, 8192 bytes
+    with pytest.raises(PoolExhausted, match="inline"):
+        p.put(torch.zeros(1))
+    p.close()
+
+
+def test_reject_policy_fails_fast_and_places_nothing() -> None:
+    p = make_pool([4096], policy="reject")
+    p.put(torch.zeros(1024))
+    with pytest.raises(PoolExhausted):
+        p.put(torch.zeros(1))
+    with pytest.raises(TensorTooLarge):
+        p.put(torch.zeros(4096))
+    assert p.stats()["leases_active"] == 1
+    p.close()
+
+
+def test_wait_policy_succeeds_when_space_frees_in_time() -> None:
+    p = make_pool([4096], policy="wait", wait_s=2.0)
+    first = p.put(torch.zeros(1024))
+    threading.Timer(0.1, p.release, args=(first.id,)).start()
+    second = p.put(torch.zeros(1024))  # waits for the release
+    assert second.tier == "host"
+    p.close()
+
+
+def test_wait_policy_gives_up_after_its_bound() -> None:
+    p = make_pool([4096], policy="wait", wait_s=0.05)
+    p.put(torch.zeros(1024))
+    with pytest.raises(PoolExhausted, match="policy wait"):
+        p.put(torch.zeros(1024))
+    p.close()
+
+
+def test_bad_tensors_are_refused() -> None:
+    p = make_pool([MiB])
+    with pytest.raises(InvalidTensor, match="empty"):
+        p.put(torch.zeros(0))
+    with pytest.raises(InvalidTensor):
+        p.put(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError):
+        p.put(torch.zeros(3), ttl_s=-1)
+    assert p.stats()["leases_active"] == 0
+    p.close()
+
+
+def test_non_contiguous_and_bf16_tensors_roundtrip() -> None:
+    p = make_pool([MiB])
+    x = torch.randn(8, 6).t()  # non-contiguous
+    y = torch.randn(5, 7).to(torch.bfloat16)
+    assert torch.equal(p.read(p.put(x).id), x)
+    assert torch.equal(p.read(p.put(y).id), y)
+    p.close()
+
+
+def test_ttl_is_clamped_to_the_maximum() -> None:
+    p = make_pool([MiB], max_ttl_s=30)
+    assert p.put(torch.ones(1), ttl_s=1e9).ttl_s == 30
+    p.close()

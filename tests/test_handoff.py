@@ -1,0 +1,258 @@
+"""The hand-off socket and FeatureClient against a real server, in this process and in others."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pool.backends.host_shm import HostShmBackend
+from pool.client import FeatureClient
+from pool.errors import HandoffError, PeerRejected, PoolRestarted, StaleLease
+from pool.featurepool import FeaturePool
+from pool.protocol import recv_msg, send_msg
+from pool.server import HandoffServer
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[FeaturePool, HandoffServer]]:
+    pool = FeaturePool([HostShmBackend([MiB, MiB])], max_leases=16)
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    yield pool, server
+    server.close()
+    pool.close()
+
+
+def test_open_is_zero_copy_and_read_only(served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    x = torch.randn(4, 8)
+    lease = pool.put(x)
+    with FeatureClient.connect(server.path) as c:
+        t = c.open(pool.describe(lease))
+        assert torch.equal(t, x)
+        # Zero-copy: the producer overwrites the slab and the consumer's view changes with it.
+        pool.tier("host").backend.view(lease.extent, torch.float32, (4, 8)).fill_(7)  # type: ignore[arg-type]
+        assert bool((t == 7).all())
+        assert c.is_current(lease.id) is True
+
+
+def test_write_through_consumer_view_faults(served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    lease = pool.put(torch.zeros(4))
+    code = (
+        "import sys, torch; from pool.client import FeatureClient\n"
+        f"c = FeatureClient.connect({str(server.path)!r})\n"
+        f"t = c.open({lease.id!r})\n"
+        "print('mapped', flush=True)\n"
+        "t.fill_(1)\n"
+        "print('WROTE', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "mapped" in r.stdout and "WROTE" not in r.stdout
+    assert r.returncode == -11  # SIGSEGV: the mapping is PROT_READ
+    assert torch.equal(pool.read(lease.id), torch.zeros(4))
+
+
+def test_release_acks_and_pool_recycles(served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    leases = [pool.put(torch.full((100,), float(i))) for i in range(5)]
+    with FeatureClient.connect(server.path) as c:
+        for i, lease in enumerate(leases):
+            assert float(c.open(lease.id)[0]) == i
+            c.release(lease.id)
+        pool.reap()
+        assert pool.stats()["tiers"][0]["used_bytes"] == 0
+        assert pool.stats()["released"] == {"ack": 5}
+
+
+def test_stale_generation_is_detected(served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    old = pool.put(torch.ones(4))
+    desc = pool.describe(old)
+    pool.release(old.id)
+    new = pool.put(torch.zeros(4))  # may reuse memory; never the same (slot, generation)
+    with FeatureClient.connect(server.path) as c:
+        with pytest.raises(StaleLease):
+            c.open(desc)
+        assert c.is_current(desc) is False
+        assert torch.equal(c.open(new.id), torch.zeros(4))
+
+
+def test_consumers_attached_is_counted(served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    with FeatureClient.connect(server.path), FeatureClient.connect(server.path):
+        assert pool.stats()["consumers_attached"] == 2
+    for _ in range(100):
+        if pool.stats()["consumers_attached"] == 0:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert pool.stats()["consumers_attached"] == 0
+
+
+def test_peer_outside_allowlist_is_refused(tmp_path: Path) -> None:
+    pool = FeaturePool([HostShmBackend([MiB])])
+    server = HandoffServer(pool, tmp_path / "s.sock", allowed_uids=[os.getuid() + 4242])
+    server.start()
+    try:
+        with pytest.raises(PeerRejected, match="not allowed"):
+            FeatureClient.connect(server.path)
+        assert pool.stats()["consumers_attached"] == 0
+    finally:
+        server.close()
+        pool.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer as another user")
+def test_peer_of_another_uid_is_refused() -> None:
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="featpool-peer-"))
+    os.chmod(d, 0o755)
+    pool = FeaturePool([HostShmBackend([MiB])])
+    server = HandoffServer(pool, d / "s.sock")
+    server.start()
+    os.chmod(server.path, 0o666)  # let 'nobody' reach the socket: the allowlist must stop it
+    code = (
+        # Import as root (nobody cannot read this interpreter's files), then drop to nobody.
+        "import os, sys\n"
+        "from pool.client import FeatureClient\n"
+        "from pool.errors import PeerRejected\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        f"try:\n    FeatureClient.connect({str(server.path)!r})\n"
+        "except PeerRejected as e:\n    print('REJECTED', e)\n"
+    )
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, cwd=Path(__file__).parent.parent)
+        assert "REJECTED" in r.stdout and "uid 65534" in r.stdout, r.stderr
+        assert pool.stats()["consumers_attached"] == 0
+    finally:
+        server.close()
+        pool.close()
+        shutil.rmtree(d)
+
+
+def test_token_is_required_when_set(tmp_path: Path) -> None:
+    pool = FeaturePool([HostShmBackend([MiB])])
+    server = HandoffServer(pool, tmp_path / "s.sock", token="s3cret")
+    server.start()
+    try:
+        with pytest.raises(PeerRejected, match="token"):
+            FeatureClient.connect(server.path)
+        with pytest.raises(PeerRejected):
+            FeatureClient.connect(server.path, token="wrong")
+        with FeatureClient.connect(server.path, token="s3cret") as c:
+            assert c.epoch
+    finally:
+        server.close()
+        pool.close()
+
+
+def test_socket_file_mode_is_0660(served: tuple[FeaturePool, HandoffServer]) -> None:
+    _, server = served
+    assert (server.path.stat().st_mode & 0o777) == 0o660
+
+
+def test_malformed_messages_never_kill_the_server(
+        served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    garbage = [
+        b"\x00\x00\x00\x05hello",  # not JSON
+        b"\xff\xff\xff\xff",  # absurd length
+        b"\x00\x00\x00\x02[]",  # JSON, not an object
+        struct.pack(">I", 13) + b'{"op": "xyz"}',  # first message must be hello
+        b"\x00\x00",  # truncated header, then EOF
+    ]
+    for payload in garbage:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(str(server.path))
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        data = s.recv(65536)
+        s.close()
+        assert data == b"" or b"protocol_error" in data
+    # After a hello, unknown ops and bad arguments get errors and the connection lives on.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(server.path))
+    send_msg(s, {"op": "hello", "version": 1})
+    _, fds = recv_msg(s, want_fds=True)
+    for fd in fds:
+        os.close(fd)
+    for bad in ({"op": "frobnicate"}, {"op": "lookup"}, {"op": "renew", "lease_id": 5},
+                {"op": "lookup", "lease_id": "nope"}):
+        send_msg(s, bad)
+        reply, _ = recv_msg(s)
+        assert reply["op"] == "error"
+    s.close()
+    lease = pool.put(torch.ones(3))
+    with FeatureClient.connect(server.path) as c:
+        assert torch.equal(c.open(lease.id), torch.ones(3))
+
+
+def test_producer_restart_is_detected_and_reattach_works(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    pool = FeaturePool([HostShmBackend([MiB])])
+    server = HandoffServer(pool, path)
+    server.start()
+    lease = pool.put(torch.ones(3))
+    desc = pool.describe(lease)
+    client = FeatureClient.connect(path)
+    held = client.open(desc)
+    server.close()
+    pool.close()
+    # The consumer's mapping outlives the producer.
+    assert torch.equal(held, torch.ones(3))
+
+    pool2 = FeaturePool([HostShmBackend([MiB])])
+    server2 = HandoffServer(pool2, path)
+    server2.start()
+    try:
+        with pytest.raises(PoolRestarted):
+            client.lookup(lease.id)
+        client.reattach()
+        with pytest.raises(PoolRestarted, match="epoch"):
+            client.open(desc)
+        new = pool2.put(torch.zeros(2))
+        assert torch.equal(client.open(new.id), torch.zeros(2))
+    finally:
+        client.close()
+        server2.close()
+        pool2.close()
+
+
+def test_second_server_on_a_live_socket_is_refused(
+        served: tuple[FeaturePool, HandoffServer]) -> None:
+    pool, server = served
+    with pytest.raises(HandoffError, match="another featpool server"):
+        HandoffServer(pool, server.path).start()
+
+
+def test_inline_leases_are_released_over_the_socket(tmp_path: Path) -> None:
+    pool = FeaturePool([HostShmBackend([4096])])
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    try:
+        lease = pool.put(torch.zeros(4096))  # larger than the slab: inline
+        assert lease.tier == "inline"
+        with FeatureClient.connect(server.path) as c:
+            with pytest.raises(Exception, match="inline"):
+                c.open(lease.id)
+            c.release(lease.id)
+        assert pool.stats()["leases_active"] == 0
+    finally:
+        server.close()
+        pool.close()

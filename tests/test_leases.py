@@ -1,0 +1,90 @@
+import pytest
+
+from pool.allocator import Extent
+from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
+from pool.leases import LeaseState, LeaseTable
+from tests.conftest import FakeClock
+
+
+def reserve(t: LeaseTable, ttl: float = 10.0):  # type: ignore[no-untyped-def]
+    return t.reserve(tier="host", extent=Extent(0, 0, 256), shape=(2,), dtype="float32",
+                     nbytes=8, ttl_s=ttl)
+
+
+def test_states_reserved_ready_released(clock: FakeClock) -> None:
+    t = LeaseTable(4, clock=clock)
+    lease = reserve(t)
+    assert lease.state is LeaseState.RESERVED and lease.generation == 1
+    t.mark_ready(lease.id)
+    assert t.get(lease.id).state is LeaseState.READY
+    t.release(lease.id)
+    assert lease.state is LeaseState.RELEASED
+    with pytest.raises(LeaseReleased):
+        t.get(lease.id)
+
+
+def test_double_release_raises(clock: FakeClock) -> None:
+    t = LeaseTable(2, clock=clock)
+    lease = reserve(t)
+    t.release(lease.id)
+    with pytest.raises(LeaseReleased):
+        t.release(lease.id)
+
+
+def test_ttl_expiry_with_fake_clock_and_renew(clock: FakeClock) -> None:
+    t = LeaseTable(4, clock=clock)
+    a, b = reserve(t, ttl=5), reserve(t, ttl=20)
+    clock.advance(4.9)
+    assert t.expire_due() == []
+    t.renew(a.id, 10)  # now due at +14.9
+    clock.advance(9.9)
+    assert t.expire_due() == []
+    clock.advance(0.2)
+    assert [x.id for x in t.expire_due()] == [a.id]
+    with pytest.raises(LeaseExpired):
+        t.get(a.id)
+    assert t.get(b.id).state is LeaseState.RESERVED
+    clock.advance(100)
+    assert [x.id for x in t.expire_due()] == [b.id]
+    assert len(t) == 0
+
+
+def test_generation_changes_on_every_reuse(clock: FakeClock) -> None:
+    t = LeaseTable(1, clock=clock)
+    seen = []
+    for _ in range(5):
+        lease = reserve(t)
+        seen.append((lease.slot, lease.generation))
+        t.release(lease.id)
+    assert [s for s, _ in seen] == [0] * 5
+    assert [g for _, g in seen] == [1, 2, 3, 4, 5]
+
+
+def test_free_slots_are_reused_oldest_first(clock: FakeClock) -> None:
+    t = LeaseTable(3, clock=clock)
+    a, b, c = reserve(t), reserve(t), reserve(t)
+    t.release(b.id)
+    t.release(a.id)
+    assert reserve(t).slot == b.slot  # b's slot rested longest
+
+
+def test_slots_exhausted_and_unknown_ids(clock: FakeClock) -> None:
+    t = LeaseTable(1, clock=clock)
+    reserve(t)
+    with pytest.raises(PoolExhausted):
+        reserve(t)
+    with pytest.raises(LeaseNotFound):
+        t.get("nope")
+
+
+def test_ended_memory_is_bounded(clock: FakeClock) -> None:
+    t = LeaseTable(1, clock=clock, remember_ended=2)
+    ids = []
+    for _ in range(3):
+        lease = reserve(t)
+        ids.append(lease.id)
+        t.release(lease.id)
+    with pytest.raises(LeaseNotFound):  # forgotten: the oldest ended lease
+        t.get(ids[0])
+    with pytest.raises(LeaseReleased):
+        t.get(ids[2])
