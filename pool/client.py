@@ -122,9 +122,9 @@ class FeatureClient:
             self._map(msg, fds)
         except BaseException:
             sock.close()
+            self._unmap()  # first: it closes the control block's FD, which it owns
             for fd in fds:
                 _close_quietly(fd)
-            self._unmap()
             raise
         self._sock = sock
         self.epoch = msg["epoch"]

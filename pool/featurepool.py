@@ -75,6 +75,15 @@ class FeaturePool:
             raise ValueError("a pool without tiers can only keep tensors inline (policy fallback)")
         self.tiers = [Tier(b, SlabAllocator(b.slab_sizes)) for b in backends]
         self.ctrl = ControlBlock.create(max_leases)
+        try:
+            for b in backends:
+                # A GPU tier registers the control block so its streams can write ready words.
+                bind = getattr(b, "bind_control", None)
+                if bind is not None:
+                    bind(self.ctrl)
+        except BaseException:
+            self.ctrl.close()
+            raise
         self.leases = LeaseTable(max_leases, clock=clock)
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s

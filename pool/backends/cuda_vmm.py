@@ -1,0 +1,498 @@
+"""GPU tier: slabs of CUDA VMM memory (cuMemCreate), exported once as POSIX FDs (same node) or
+FABRIC handles (other nodes of an NVLink domain), mapped read-only by consumers.
+
+Producer: ``CudaVmmBackend.create(...)``. ``publish`` copies into a slice of a slab on the
+current torch stream, then writes the slot's ready word with cuStreamWriteValue32 on the same
+stream; the host never waits. Consumer: ``CudaConsumer`` (used by ``pool.client``) imports the
+slab FDs, maps them read-only, waits on ready words with cuStreamWaitValue32 (GEQ) and writes
+ack words with cuStreamWriteValue32, on the consumer's current stream.
+
+Control words: the control block is a memfd in host memory. Each process registers it with
+cuMemHostRegister (DEVICEMAP | PORTABLE), so GPU streams of every process write and wait on the
+same words and the producer's reaper reads acks with plain host loads.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from pool.allocator import Extent
+from pool.control import ACK_OFFSET, READY_OFFSET, ControlBlock
+from pool.driver import Driver, DriverAPI, HandleType, is_not_permitted
+from pool.errors import CudaError, CudaUnavailable, HandoffError, InvalidTensor
+
+log = logging.getLogger(__name__)
+
+FabricMode = Literal["auto", "off", "require"]
+IMEX_HINT = ("FABRIC handles unavailable: no IMEX channel (/dev/nvidia-caps-imex-channels); "
+             "falling back to POSIX FD on a single node")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class TorchCuda:
+    """The torch side of the GPU tier: the device, its current stream, tensors over raw device
+    pointers, synchronisation. Tests inject a fake with the same methods."""
+
+    def __init__(self, device_index: int) -> None:
+        if not torch.cuda.is_available():
+            raise CudaUnavailable(
+                f"this torch build ({torch.__version__}) sees no CUDA device; "
+                f"use --transport host_shm")
+        if not 0 <= device_index < torch.cuda.device_count():
+            raise CudaUnavailable(
+                f"CUDA device {device_index} does not exist "
+                f"({torch.cuda.device_count()} visible; check CUDA_VISIBLE_DEVICES)")
+        self.device = torch.device("cuda", device_index)
+        self.index = device_index
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw
+
+    def init(self) -> None:
+        """Make torch create the device's primary context, so the driver calls share it."""
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        torch.empty(1, device=self.device)
+
+    def current_stream(self) -> int:
+        if self._raw_stream is not None:
+            return int(self._raw_stream(self.index))
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def tensor_at(self, ptr: int, nbytes: int) -> torch.Tensor:
+        """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (zero-copy)."""
+        return torch.as_tensor(_DevicePointer(ptr, nbytes), device=self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def uuid(self) -> str:
+        return str(torch.cuda.get_device_properties(self.index).uuid)
+
+
+class _DevicePointer:
+    """Exposes raw device memory through ``__cuda_array_interface__`` (version 3)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False), "version": 3,
+            "strides": None, "stream": None,
+        }
+
+
+def typed_view(base: torch.Tensor, offset: int, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """``base[offset:]`` (a flat uint8 tensor) seen as a ``dtype`` tensor of ``shape``."""
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if offset < 0 or offset + nbytes > base.numel():
+        raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the slab of {base.numel()}")
+    return base[offset:offset + nbytes].view(dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class FabricStatus:
+    """Outcome of the start-up FABRIC probe, for logs, metrics and the pool descriptor."""
+
+    mode: str  # the configured mode: auto, off, require
+    available: bool
+    reason: str  # why not (empty when available)
+
+
+@dataclass
+class _Mapping:
+    """One mapped allocation: the physical handle and the VA range it is mapped at."""
+
+    size: int
+    handle: Any
+    ptr: int
+    base: torch.Tensor | None = None  # uint8 tensor over the whole range
+
+
+def map_allocation(driver: DriverAPI, handle: Any, size: int, granularity: int, ordinal: int,
+                   *, read_only: bool) -> int:
+    """Reserve a VA range, map ``handle`` there and set access. On any failure, undo the steps
+    already done in reverse order; the caller still owns ``handle``."""
+    ptr = driver.address_reserve(size, granularity)
+    try:
+        driver.mem_map(ptr, size, handle)
+        try:
+            driver.set_access(ptr, size, ordinal, read_only=read_only)
+        except BaseException:
+            driver.mem_unmap(ptr, size)
+            raise
+    except BaseException:
+        driver.address_free(ptr, size)
+        raise
+    return ptr
+
+
+def unmap_allocation(driver: DriverAPI, m: _Mapping) -> None:
+    m.base = None
+    driver.mem_unmap(m.ptr, m.size)
+    driver.address_free(m.ptr, m.size)
+    driver.mem_release(m.handle)
+
+
+def probe_fabric(driver: DriverAPI, ordinal: int, mode: FabricMode) -> FabricStatus:
+    """Try a real FABRIC allocation (the device attribute alone says yes without an IMEX
+    channel). ``require`` turns a failure into CudaUnavailable."""
+    if mode == "off":
+        return FabricStatus(mode, False, "disabled (fabric=off)")
+    types = HandleType.POSIX_FD | HandleType.FABRIC
+    try:
+        gran = driver.granularity(ordinal, types)
+        handle = driver.mem_create(gran, ordinal, types)
+        try:
+            driver.export_fabric(handle)
+        finally:
+            driver.mem_release(handle)
+    except CudaError as e:
+        if is_not_permitted(e):
+            reason = IMEX_HINT
+        else:
+            reason = f"FABRIC handles unavailable ({e}); falling back to POSIX FD on a single node"
+        if mode == "require":
+            raise CudaUnavailable(
+                f"fabric=require but {reason.split(';')[0]}: multi-node hand-off needs an IMEX "
+                f"channel (DRA ComputeDomain); set fabric to auto or off for a single node"
+            ) from e
+        return FabricStatus(mode, False, reason)
+    return FabricStatus(mode, True, "")
+
+
+class CudaVmmBackend:
+    tier = "gpu"
+    transport = "cuda_vmm"
+
+    def __init__(self, driver: DriverAPI, rt: Any, slab_sizes: list[int], granularity: int,
+                 fabric: FabricStatus) -> None:
+        """Use ``create``; this only records what it made."""
+        self.driver = driver
+        self.rt = rt
+        self.device: torch.device = rt.device
+        self.ordinal: int = rt.index
+        self.granularity = granularity
+        self.fabric_status = fabric
+        self.handle_types = HandleType.POSIX_FD | (
+            HandleType.FABRIC if fabric.available else HandleType(0))
+        self.slab_sizes: list[int] = []
+        self._slabs: list[_Mapping] = []
+        self._fds: list[int] | None = None
+        self._fabric: list[bytes] | None = None
+        self._ctrl: ControlBlock | None = None
+        self._ctrl_dptr = 0
+        self._closed = False
+        try:
+            for size in slab_sizes:
+                self._add_slab(size)
+        except BaseException:
+            self.close()  # tears down the slabs made so far
+            raise
+
+    @classmethod
+    def create(cls, device_index: int, pool_bytes: int, slab_bytes: int, *,
+               fabric: FabricMode = "auto", driver: DriverAPI | None = None,
+               rt: Any = None) -> CudaVmmBackend:
+        """Build the GPU tier: ``ceil(pool_bytes / slab)`` slabs of ``slab_bytes`` rounded up to
+        the allocation granularity. Raises CudaUnavailable (no driver, no device, fabric=require
+        without IMEX) or CudaError."""
+        if pool_bytes <= 0 or slab_bytes <= 0:
+            raise ValueError("pool_bytes and slab_bytes must be positive")
+        drv: DriverAPI = driver if driver is not None else Driver()
+        rt = rt if rt is not None else TorchCuda(device_index)
+        rt.init()
+        drv.use_device(device_index)
+        try:
+            status = probe_fabric(drv, device_index, fabric)
+            if fabric != "off" and not status.available:
+                log.warning("%s", status.reason)
+            types = HandleType.POSIX_FD | (
+                HandleType.FABRIC if status.available else HandleType(0))
+            gran = drv.granularity(device_index, types)
+            slab = round_up(slab_bytes, gran)
+            count = max(1, -(-pool_bytes // slab))
+            backend = cls(drv, rt, [slab] * count, gran, status)
+        except BaseException:
+            drv.release_device()
+            raise
+        log.info("cuda_vmm pool on %s: %d slab(s) of %d bytes (granularity %d), handles %s",
+                 backend.device, count, slab, gran, backend.handle_types.name)
+        return backend
+
+    def _add_slab(self, size: int) -> None:
+        handle = self.driver.mem_create(size, self.ordinal, self.handle_types)
+        try:
+            ptr = map_allocation(self.driver, handle, size, self.granularity, self.ordinal,
+                                 read_only=False)
+        except BaseException:
+            self.driver.mem_release(handle)
+            raise
+        m = _Mapping(size, handle, ptr)
+        self._slabs.append(m)  # from here close() undoes it
+        self.slab_sizes.append(size)
+        m.base = self.rt.tensor_at(ptr, size)
+
+    # ---- control words ---------------------------------------------------------------------
+
+    def bind_control(self, ctrl: ControlBlock) -> None:
+        """Register the pool's control block for GPU stream writes (done once; ``publish``
+        does it on first use if the pool did not call this)."""
+        if self._ctrl is ctrl:
+            return
+        if self._ctrl is not None:
+            self._unbind_control()
+        self.driver.host_register(ctrl.address, ctrl.size)
+        try:
+            self._ctrl_dptr = self.driver.host_device_pointer(ctrl.address)
+        except BaseException:
+            self.driver.host_unregister(ctrl.address)
+            raise
+        self._ctrl = ctrl
+
+    def _unbind_control(self) -> None:
+        ctrl, self._ctrl = self._ctrl, None
+        if ctrl is not None:
+            self.driver.host_unregister(ctrl.address)
+
+    # ---- the Backend protocol --------------------------------------------------------------
+
+    def publish(self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int,
+                gen: int) -> None:
+        if tensor.device != self.device:
+            raise InvalidTensor(
+                f"a {tensor.device} tensor was given to the GPU pool ({self.transport} on "
+                f"{self.device}): move it there first (tensor.to('{self.device}')), or publish "
+                f"host tensors to a host_shm tier")
+        if self._ctrl is not ctrl:
+            self.bind_control(ctrl)
+        dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
+        dst.copy_(tensor, non_blocking=True)
+        # Same stream, after the copy: the write is ordered behind it (with a memory barrier).
+        word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
+        self.driver.stream_write_value32(self.rt.current_stream(), word, gen)
+
+    def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        base = self._slabs[extent.slab].base
+        if base is None:
+            raise InvalidTensor("the GPU pool is closed")
+        return typed_view(base, extent.offset, dtype, shape)
+
+    def slab_fds(self) -> list[int]:
+        """POSIX FDs of the slabs, exported once and kept (the socket server dups them)."""
+        if self._fds is None:
+            fds: list[int] = []
+            try:
+                for m in self._slabs:
+                    fds.append(self.driver.export_fd(m.handle))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            self._fds = fds
+        return list(self._fds)
+
+    def fabric_handles(self) -> list[bytes]:
+        """The slabs' 64-byte FABRIC handles, exported once. Only for authenticated peers:
+        anyone holding one (and the IMEX channel) can map the slab."""
+        if not self.fabric_status.available:
+            raise CudaUnavailable(self.fabric_status.reason)
+        if self._fabric is None:
+            self._fabric = [self.driver.export_fabric(m.handle) for m in self._slabs]
+        return list(self._fabric)
+
+    def welcome_info(self, *, include_fabric: bool = False) -> dict[str, Any]:
+        """What consumers need beyond the FDs; pass as the hand-off server's ``extra_welcome``
+        (``lambda: backend.welcome_info(include_fabric=...)``)."""
+        info: dict[str, Any] = {
+            "device_index": self.ordinal,
+            "device_uuid": self.rt.uuid(),
+            "granularity": self.granularity,
+            "fabric": {"available": self.fabric_status.available,
+                       "reason": self.fabric_status.reason},
+        }
+        if include_fabric and self.fabric_status.available:
+            info["fabric_handles"] = [base64.b64encode(h).decode()
+                                      for h in self.fabric_handles()]
+        return {"cuda": info}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.rt.synchronize()  # no copy may still target memory we are about to unmap
+        finally:
+            errors: list[BaseException] = []
+            for m in reversed(self._slabs):
+                try:
+                    unmap_allocation(self.driver, m)
+                except CudaError as e:
+                    errors.append(e)
+            self._slabs = []
+            for fd in self._fds or []:
+                os.close(fd)
+            self._fds = None
+            try:
+                self._unbind_control()
+            except CudaError as e:
+                errors.append(e)
+            self.driver.release_device()
+            if errors:
+                raise errors[0]
+
+
+class _ConsumerSlab:
+    """A slab imported and mapped read-only in a consumer process."""
+
+    def __init__(self, consumer: CudaConsumer, m: _Mapping) -> None:
+        self._consumer = consumer
+        self._m: _Mapping | None = m
+
+    @property
+    def ptr(self) -> int:
+        assert self._m is not None
+        return self._m.ptr
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._m is None or self._m.base is None:
+            raise HandoffError("slab closed; reattach")
+        return typed_view(self._m.base, offset, dtype, shape)
+
+    def close(self) -> None:
+        m, self._m = self._m, None
+        if m is not None:
+            self._consumer.rt.synchronize()  # reads still queued must finish before the unmap
+            unmap_allocation(self._consumer.driver, m)
+            self._consumer.slabs.discard(self)
+
+
+class CudaConsumer:
+    """The consumer side of the GPU tier, one per FeatureClient attachment."""
+
+    def __init__(self, ctrl: ControlBlock, cuda_info: dict[str, Any],
+                 device: torch.device | None, *, driver: DriverAPI | None = None,
+                 rt: Any = None) -> None:
+        self.ctrl = ctrl
+        self.info = cuda_info
+        self.driver: DriverAPI = driver if driver is not None else Driver()
+        self.rt = rt if rt is not None else TorchCuda(_pick_device(device, cuda_info))
+        self.rt.init()
+        self.ordinal: int = self.rt.index
+        self.driver.use_device(self.ordinal)
+        self.slabs: set[_ConsumerSlab] = set()
+        self._gran: int | None = cuda_info.get("granularity")
+        try:
+            self.driver.host_register(ctrl.address, ctrl.size)
+            try:
+                self._dptr = self.driver.host_device_pointer(ctrl.address)
+            except BaseException:
+                self.driver.host_unregister(ctrl.address)
+                raise
+        except BaseException:
+            self.driver.release_device()
+            raise
+        self._closed = False
+
+    def _granularity(self) -> int:
+        if self._gran is None:
+            self._gran = self.driver.granularity(self.ordinal, HandleType.POSIX_FD)
+        return self._gran
+
+    def _map(self, handle: Any, size: int) -> _ConsumerSlab:
+        try:
+            ptr = map_allocation(self.driver, handle, size, self._granularity(), self.ordinal,
+                                 read_only=True)
+        except BaseException:
+            self.driver.mem_release(handle)
+            raise
+        m = _Mapping(size, handle, ptr)
+        slab = _ConsumerSlab(self, m)
+        try:
+            m.base = self.rt.tensor_at(ptr, size)
+        except BaseException:
+            slab.close()
+            raise
+        self.slabs.add(slab)
+        return slab
+
+    def map_slab(self, fd: int, size: int) -> _ConsumerSlab:
+        """Import a slab's POSIX FD (closed here, imported or not) and map it read-only."""
+        try:
+            handle = self.driver.import_fd(fd)
+        finally:
+            os.close(fd)
+        return self._map(handle, size)
+
+    def map_fabric(self, handle_b64: str | bytes, size: int) -> _ConsumerSlab:
+        """Import a slab's FABRIC handle (from ``welcome['cuda']['fabric_handles']``) and map it
+        read-only: the path for a consumer on another node of the NVLink domain."""
+        raw = base64.b64decode(handle_b64) if isinstance(handle_b64, str) else handle_b64
+        try:
+            handle = self.driver.import_fabric(raw)
+        except CudaError as e:
+            if is_not_permitted(e):
+                raise CudaUnavailable(
+                    "cannot import a FABRIC handle: this process has no access to the "
+                    "exporter's IMEX channel (/dev/nvidia-caps-imex-channels)") from e
+            raise
+        return self._map(handle, size)
+
+    def _word(self, slot: int, offset: int) -> int:
+        if not 0 <= slot < self.ctrl.nslots:
+            raise ValueError(f"slot {slot} outside the control block ({self.ctrl.nslots})")
+        return self._dptr + (self.ctrl.slot_address(slot, offset) - self.ctrl.address)
+
+    def wait_ready(self, slot: int, gen: int) -> None:
+        """Enqueue, on the current stream, a wait until the slot's ready word >= ``gen``."""
+        self.driver.stream_wait_value32_geq(self.rt.current_stream(),
+                                            self._word(slot, READY_OFFSET), gen)
+
+    def ack(self, slot: int, gen: int) -> None:
+        """Enqueue, on the current stream (after your reads), the write of the ack word."""
+        self.driver.stream_write_value32(self.rt.current_stream(),
+                                         self._word(slot, ACK_OFFSET), gen)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.rt.synchronize()  # queued acks land before the control block is unregistered
+        finally:
+            for slab in list(self.slabs):
+                slab.close()
+            try:
+                self.driver.host_unregister(self.ctrl.address)
+            finally:
+                self.driver.release_device()
+
+
+def _pick_device(device: torch.device | None, cuda_info: dict[str, Any]) -> int:
+    """The consumer's device: the one asked for, else the producer's GPU by UUID (device
+    indexes differ between processes with different CUDA_VISIBLE_DEVICES), else the current."""
+    if device is not None:
+        if device.type != "cuda":
+            raise CudaUnavailable(f"the GPU tier needs a CUDA device, not {device}")
+        return device.index if device.index is not None else torch.cuda.current_device()
+    if not torch.cuda.is_available():
+        raise CudaUnavailable(
+            "the producer's pool is on the GPU (cuda_vmm) but this process sees no CUDA device")
+    uuid = cuda_info.get("device_uuid")
+    if uuid:
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+                return i
+        raise CudaUnavailable(
+            f"the producer's GPU {uuid} is not visible to this process; make it visible "
+            f"(CUDA_VISIBLE_DEVICES, or the same ResourceClaim) or pass device=")
+    return torch.cuda.current_device()

@@ -1,0 +1,514 @@
+"""The GPU tier's logic against a fake driver layer: runs on machines without a GPU (CI).
+
+The fake keeps honest state: allocations are bytearrays, mappings are VA ranges pointing at
+them, exported FDs are real memfds (an import finds the allocation by inode, as SCM_RIGHTS dups
+would), stream writes land in the registered host memory. Tests assert on that state and on the
+recorded call order.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import os
+import threading
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from pool.allocator import Extent
+from pool.backends import cuda_vmm
+from pool.backends.cuda_vmm import CudaConsumer, CudaVmmBackend, FabricStatus, probe_fabric
+from pool.control import ControlBlock
+from pool.driver import Driver, HandleType, load_bindings
+from pool.errors import CudaError, CudaUnavailable, InvalidTensor, StaleLease
+from pool.featurepool import FeaturePool
+from pool.server import HandoffServer
+
+MiB = 1 << 20
+GRAN = 2 * MiB
+DEV_OFFSET = 0x1000_0000_0000  # fake device pointers of host memory differ from host addresses
+
+
+class FakeHandle:
+    _next = 1
+
+    def __init__(self, size: int, types_: HandleType, mem: bytearray | None = None) -> None:
+        self.id = FakeHandle._next
+        FakeHandle._next += 1
+        self.size = size
+        self.types = types_
+        self.mem = mem if mem is not None else bytearray(size)  # an import shares the memory
+
+    def __repr__(self) -> str:
+        return f"<handle {self.id}>"
+
+
+class FakeDriver:
+    """Same methods as pool.driver.Driver. ``fail`` maps a method name to the CudaError its next
+    call raises; ``fabric_permitted`` says whether an IMEX channel exists."""
+
+    def __init__(self, calls: list[tuple[Any, ...]] | None = None, *,
+                 fabric_permitted: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = calls if calls is not None else []
+        self.fabric_permitted = fabric_permitted
+        self.fail: dict[str, CudaError] = {}
+        self.live: dict[int, FakeHandle] = {}  # handle id -> handle, until released
+        self.vas: dict[int, int] = {}  # reserved ptr -> size
+        self.maps: dict[int, tuple[FakeHandle, bool | None]] = {}  # ptr -> (handle, read_only)
+        self.registered: dict[int, int] = {}  # host addr -> size
+        self.by_inode: dict[int, FakeHandle] = {}
+        self.retained = 0
+        self._next_va = 0x7F00_0000_0000
+        self.on_write: list[Any] = []
+
+    def _call(self, name: str, *args: Any) -> None:
+        self.calls.append((name, *args))
+        err = self.fail.pop(name, None)
+        if err is not None:
+            raise err
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def use_device(self, ordinal: int) -> None:
+        self._call("use_device", ordinal)
+        self.retained += 1
+
+    def release_device(self) -> None:
+        if self.retained:
+            self._call("release_device")
+            self.retained -= 1
+
+    def current_context(self) -> int:
+        return 0xC0
+    def primary_context(self) -> int:
+        return 0xC0
+    def pointer_context(self, ptr: int) -> int:
+        return 0xC0
+
+    def granularity(self, ordinal: int, handle_types: HandleType) -> int:
+        self._call("granularity", ordinal, handle_types)
+        return GRAN
+
+    def mem_create(self, size: int, ordinal: int, handle_types: HandleType) -> FakeHandle:
+        self._call("mem_create", size, handle_types)
+        if size % GRAN:
+            raise CudaError("cuMemCreate", 1, "CUDA_ERROR_INVALID_VALUE")
+        if HandleType.FABRIC in handle_types and not self.fabric_permitted:
+            raise CudaError("cuMemCreate", 800, "CUDA_ERROR_NOT_PERMITTED")
+        h = FakeHandle(size, handle_types)
+        self.live[h.id] = h
+        return h
+
+    def mem_release(self, handle: FakeHandle) -> None:
+        self._call("mem_release", handle)
+        del self.live[handle.id]
+
+    def address_reserve(self, size: int, alignment: int) -> int:
+        self._call("address_reserve", size, alignment)
+        ptr = self._next_va
+        self._next_va += size + alignment
+        self.vas[ptr] = size
+        return ptr
+
+    def address_free(self, ptr: int, size: int) -> None:
+        self._call("address_free", ptr)
+        assert ptr not in self.maps, "freeing a VA range that is still mapped"
+        del self.vas[ptr]
+
+    def mem_map(self, ptr: int, size: int, handle: FakeHandle) -> None:
+        self._call("mem_map", ptr, handle)
+        assert self.vas[ptr] == size == handle.size
+        self.maps[ptr] = (handle, None)
+
+    def mem_unmap(self, ptr: int, size: int) -> None:
+        self._call("mem_unmap", ptr)
+        del self.maps[ptr]
+
+    def set_access(self, ptr: int, size: int, ordinal: int, *, read_only: bool) -> None:
+        self._call("set_access", ptr, read_only)
+        self.maps[ptr] = (self.maps[ptr][0], read_only)
+
+    def export_fd(self, handle: FakeHandle) -> int:
+        self._call("export_fd", handle)
+        fd = os.memfd_create("fake-vmm", os.MFD_CLOEXEC)
+        self.by_inode[os.fstat(fd).st_ino] = handle
+        return fd
+
+    def export_fabric(self, handle: FakeHandle) -> bytes:
+        self._call("export_fabric", handle)
+        if not self.fabric_permitted or HandleType.FABRIC not in handle.types:
+            raise CudaError("cuMemExportToShareableHandle(FABRIC)", 800,
+                            "CUDA_ERROR_NOT_PERMITTED")
+        return handle.id.to_bytes(8, "little") + b"\xfa" * 56
+
+    def import_fd(self, fd: int) -> FakeHandle:
+        self._call("import_fd", fd)
+        orig = self.by_inode[os.fstat(fd).st_ino]
+        h = FakeHandle(orig.size, orig.types, orig.mem)  # a handle of its own, same memory
+        self.live[h.id] = h
+        return h
+
+    def import_fabric(self, data: bytes) -> FakeHandle:
+        self._call("import_fabric", data)
+        if not self.fabric_permitted:
+            raise CudaError("cuMemImportFromShareableHandle(FABRIC)", 800,
+                            "CUDA_ERROR_NOT_PERMITTED")
+        orig = self.live.get(int.from_bytes(data[:8], "little"))
+        if orig is not None:
+            h = FakeHandle(orig.size, orig.types, orig.mem)
+            self.live[h.id] = h
+            return h
+        raise CudaError("cuMemImportFromShareableHandle(FABRIC)", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    def host_register(self, addr: int, size: int) -> None:
+        self._call("host_register", addr, size)
+        self.registered[addr] = size
+
+    def host_unregister(self, addr: int) -> None:
+        self._call("host_unregister", addr)
+        del self.registered[addr]
+
+    def host_device_pointer(self, addr: int) -> int:
+        self._call("host_device_pointer", addr)
+        assert addr in self.registered
+        return addr + DEV_OFFSET
+
+    def _host(self, dptr: int) -> int:
+        host = dptr - DEV_OFFSET
+        assert any(a <= host < a + s for a, s in self.registered.items()), "unregistered word"
+        return host
+
+    def stream_write_value32(self, stream: int, addr: int, value: int) -> None:
+        self._call("stream_write_value32", stream, addr, value)
+        for hook in self.on_write:
+            hook()
+        ctypes.c_uint32.from_address(self._host(addr)).value = value
+
+    def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None:
+        self._call("stream_wait_value32_geq", stream, addr, value)
+        self._host(addr)
+
+
+class FakeRuntime:
+    """Same methods as cuda_vmm.TorchCuda; device memory is the fake driver's bytearrays."""
+
+    def __init__(self, driver: FakeDriver, device: str = "cpu") -> None:
+        self.driver = driver
+        self.device = torch.device(device)
+        self.index = 0
+        self.stream = 0x5157
+
+    def init(self) -> None:
+        self.driver.calls.append(("torch_init",))
+
+    def current_stream(self) -> int:
+        return self.stream
+
+    def tensor_at(self, ptr: int, nbytes: int) -> torch.Tensor:
+        handle, _ = self.driver.maps[ptr]
+        return torch.frombuffer(handle.mem, dtype=torch.uint8, count=nbytes)
+
+    def synchronize(self) -> None:
+        self.driver.calls.append(("synchronize",))
+
+    def uuid(self) -> str:
+        return "GPU-fake-0000"
+
+
+def make(pool_bytes: int = 8 * MiB, slab_bytes: int = 4 * MiB, *, fabric: str = "auto",
+         permitted: bool = False, device: str = "cpu") -> tuple[CudaVmmBackend, FakeDriver]:
+    drv = FakeDriver(fabric_permitted=permitted)
+    be = CudaVmmBackend.create(0, pool_bytes, slab_bytes, fabric=fabric,  # type: ignore[arg-type]
+                               driver=drv, rt=FakeRuntime(drv, device))
+    return be, drv
+
+
+def assert_nothing_left(drv: FakeDriver) -> None:
+    assert drv.live == {} and drv.vas == {} and drv.maps == {} and drv.registered == {}
+    assert drv.retained == 0
+
+
+# ---- no driver ------------------------------------------------------------------------------
+
+
+def test_no_driver_is_cuda_unavailable_naming_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    cu = pytest.importorskip("cuda.bindings.driver")
+
+    def no_lib(flags: int) -> Any:
+        raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via '
+                           'system search')  # what cuda.pathfinder raises without a driver
+
+    monkeypatch.setattr(cu, "cuInit", no_lib)
+    with pytest.raises(CudaUnavailable, match=r"no NVIDIA driver found.*--transport host_shm"):
+        load_bindings()
+    with pytest.raises(CudaUnavailable, match="--transport host_shm"):
+        CudaVmmBackend.create(0, 8 * MiB, 4 * MiB)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_real_driver_absent_here() -> None:
+    pytest.importorskip("cuda.bindings.driver")
+    with pytest.raises(CudaUnavailable, match="--transport host_shm"):
+        Driver()
+
+
+def test_check_helper_names_call_and_result() -> None:
+    cu = pytest.importorskip("cuda.bindings.driver")
+    ok = cu.CUresult.CUDA_SUCCESS
+    sets: list[int] = []
+    fake_cu = types.SimpleNamespace(
+        CUresult=cu.CUresult,
+        cuDeviceGet=lambda n: (ok, 0),
+        cuDevicePrimaryCtxRetain=lambda dev: (ok, 0xC0),
+        cuDevicePrimaryCtxRelease=lambda dev: (ok,),
+        cuCtxSetCurrent=lambda ctx: (sets.append(threading.get_ident()), (ok,))[1],
+        cuMemUnmap=lambda p, s: (cu.CUresult.CUDA_ERROR_INVALID_VALUE,),
+        cuStreamWriteValue32=lambda s, a, v, f: (cu.CUresult.CUDA_ERROR_NOT_SUPPORTED,),
+    )
+    d = Driver(fake_cu)
+    d.use_device(0)
+    with pytest.raises(CudaError, match=r"cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE \(1\)") as e:
+        d.mem_unmap(0x1000, 4096)
+    assert (e.value.call, e.value.code, e.value.name) == ("cuMemUnmap", 1,
+                                                           "CUDA_ERROR_INVALID_VALUE")
+    with pytest.raises(CudaError, match="cuStreamWriteValue32 failed: CUDA_ERROR_NOT_SUPPORTED"):
+        d.stream_write_value32(0, 0x1000, 1)
+    # The primary context is made current once per thread, including threads torch never saw.
+    def other_thread() -> None:
+        with pytest.raises(CudaError):
+            d.mem_unmap(0, 1)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(sets) == 2 and sets[0] != sets[1]
+    d.release_device()
+    with pytest.raises(CudaError, match="use_device"):
+        d.mem_unmap(0, 1)
+
+
+# ---- slabs ---------------------------------------------------------------------------------
+
+
+def test_slab_size_rounds_up_to_granularity() -> None:
+    be, drv = make(pool_bytes=5 * MiB, slab_bytes=3 * MiB)
+    assert be.slab_sizes == [4 * MiB, 4 * MiB]
+    assert [c[1] for c in drv.calls if c[0] == "mem_create"][-2:] == [4 * MiB, 4 * MiB]
+    assert all(ro is False for _, ro in drv.maps.values())  # the producer maps read-write
+    assert drv.names()[0] == "torch_init"  # torch's context exists before any driver call
+    be.close()
+    assert_nothing_left(drv)
+
+
+@pytest.mark.parametrize("failing", ["mem_map", "set_access"])
+def test_half_made_mapping_is_rolled_back(failing: str) -> None:
+    drv = FakeDriver()
+    first_ok = {"n": 0}
+    orig = getattr(drv, failing)
+
+    def fail_on_second(*a: Any, **k: Any) -> None:
+        first_ok["n"] += 1
+        if first_ok["n"] == 2:  # the second slab fails halfway
+            drv.calls.append((failing, "FAILED"))
+            raise CudaError(f"cu{failing}", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        orig(*a, **k)
+
+    setattr(drv, failing, fail_on_second)
+    with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, driver=drv, rt=FakeRuntime(drv))
+    names = drv.names()
+    after = names[names.index(failing, names.index("mem_create", names.index("mem_map") + 1)):]
+    # Undo of the second slab in reverse, then teardown of the first (synchronize first).
+    if failing == "set_access":
+        assert after[:4] == ["set_access", "mem_unmap", "address_free", "mem_release"]
+    else:
+        assert after[:3] == ["mem_map", "address_free", "mem_release"]
+    rest = after[after.index("mem_release") + 1:]
+    assert rest[:4] == ["synchronize", "mem_unmap", "address_free", "mem_release"]
+    assert_nothing_left(drv)
+
+
+def test_close_is_idempotent_and_synchronizes_before_unmap() -> None:
+    be, drv = make()
+    fds = be.slab_fds()
+    assert be.slab_fds() == fds and drv.names().count("export_fd") == 2  # exported once
+    be.close()
+    names = drv.names()
+    assert names.index("synchronize") < names.index("mem_unmap")
+    n = len(drv.calls)
+    be.close()
+    assert len(drv.calls) == n
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert_nothing_left(drv)
+
+
+# ---- publish --------------------------------------------------------------------------------
+
+
+def test_publish_copies_then_writes_ready_on_the_same_stream() -> None:
+    be, drv = make()
+    pool = FeaturePool([be], max_leases=8)
+    try:
+        assert "host_register" in drv.names()  # bound at pool creation, not on the hot path
+        t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+        seen: list[bool] = []
+
+        def bytes_in_place() -> None:  # what the slab holds when the ready write is issued
+            lease = pool.leases.by_slot(0)
+            assert lease is not None and lease.extent is not None
+            seen.append(torch.equal(be.view(lease.extent, t.dtype, tuple(t.shape)), t))
+
+        drv.on_write.append(bytes_in_place)
+        be.rt.stream = 0xABC
+        n0 = len(drv.calls)
+        lease = pool.put(t)
+        published = drv.calls[n0:]
+        assert [c[0] for c in published] == ["stream_write_value32"]  # nothing else, no sync
+        _, stream, addr, value = published[0]
+        assert stream == 0xABC and value == lease.generation == 1
+        assert addr == pool.ctrl.slot_address(lease.slot, 4) + DEV_OFFSET
+        assert seen == [True]
+        assert pool.ctrl.ready(lease.slot) == lease.generation
+        assert torch.equal(pool.read(lease.id), t)
+    finally:
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_cpu_tensor_is_refused_with_a_clear_message() -> None:
+    be, drv = make(device="cuda:0")
+    ctrl = ControlBlock.create(4)
+    try:
+        with pytest.raises(InvalidTensor, match=r"a cpu tensor was given to the GPU pool.*cuda:0"):
+            be.publish(Extent(0, 0, 256), torch.ones(4), ctrl, 0, 1)
+        assert "stream_write_value32" not in drv.names()
+    finally:
+        be.close()
+        ctrl.close()
+
+
+# ---- FABRIC ---------------------------------------------------------------------------------
+
+
+def test_fabric_probe_success_exports_handles_for_authenticated_peers() -> None:
+    be, drv = make(permitted=True)
+    try:
+        assert be.fabric_status == FabricStatus("auto", True, "")
+        assert be.handle_types == HandleType.POSIX_FD | HandleType.FABRIC
+        probe = next(c for c in drv.calls if c[0] == "mem_create")
+        assert probe[1] == GRAN and HandleType.FABRIC in probe[2]  # a real, small allocation
+        hs = be.fabric_handles()
+        assert len(hs) == 2 and all(len(h) == 64 for h in hs)
+        assert be.fabric_handles() == hs
+        assert drv.names().count("export_fabric") == 1 + 2  # the probe's, then once per slab
+        info = be.welcome_info(include_fabric=True)["cuda"]
+        assert [base64.b64decode(h) for h in info["fabric_handles"]] == hs
+        assert "fabric_handles" not in be.welcome_info()["cuda"]
+        # The importing side: a peer with the channel maps the handle read-only.
+        ctrl = ControlBlock.create(4)
+        cons = CudaConsumer(ctrl, info, None, driver=drv, rt=FakeRuntime(drv))
+        slab = cons.map_fabric(info["fabric_handles"][1], be.slab_sizes[1])
+        assert ("import_fabric", hs[1]) in drv.calls
+        mapped, read_only = drv.maps[slab.ptr]
+        assert read_only and mapped.mem is drv.live[int.from_bytes(hs[1][:8], "little")].mem
+        cons.close()
+        ctrl.close()
+    finally:
+        be.close()
+
+
+def test_fabric_not_permitted_falls_back_to_posix_fd() -> None:
+    be, drv = make(permitted=False)
+    try:
+        st = be.fabric_status
+        assert not st.available and "no IMEX channel (/dev/nvidia-caps-imex-channels)" in st.reason
+        assert "falling back to POSIX FD" in st.reason
+        assert be.handle_types == HandleType.POSIX_FD
+        assert be.welcome_info(include_fabric=True)["cuda"]["fabric"]["available"] is False
+        with pytest.raises(CudaUnavailable, match="IMEX"):
+            be.fabric_handles()
+        assert len(be.slab_fds()) == 2
+    finally:
+        be.close()
+    assert_nothing_left(drv)
+
+
+def test_fabric_require_fails_start_up_and_leaks_nothing() -> None:
+    drv = FakeDriver(fabric_permitted=False)
+    with pytest.raises(CudaUnavailable, match=r"fabric=require.*no IMEX channel.*ComputeDomain"):
+        CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, fabric="require", driver=drv,
+                              rt=FakeRuntime(drv))
+    assert_nothing_left(drv)
+
+
+def test_fabric_off_does_not_probe() -> None:
+    drv = FakeDriver(fabric_permitted=True)
+    st = probe_fabric(drv, 0, "off")
+    assert not st.available and drv.calls == []
+
+
+def test_fabric_import_without_channel_is_clear() -> None:
+    drv = FakeDriver(fabric_permitted=False)
+    ctrl = ControlBlock.create(4)
+    cons = CudaConsumer(ctrl, {}, None, driver=drv, rt=FakeRuntime(drv))
+    try:
+        with pytest.raises(CudaUnavailable, match="IMEX channel"):
+            cons.map_fabric(base64.b64encode(b"\0" * 64).decode(), GRAN)
+    finally:
+        cons.close()
+        ctrl.close()
+    assert_nothing_left(drv)
+
+
+# ---- consumer over the real socket ---------------------------------------------------------
+
+
+def test_consumer_maps_read_only_waits_and_acks(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Any) -> None:
+    from pool.client import FeatureClient
+
+    be, drv = make()
+    pool = FeaturePool([be], max_leases=8)
+    server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
+    server.start()
+    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv))
+    monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
+    try:
+        t = torch.randn(64, 33)
+        lease = pool.put(t)
+        desc = pool.describe(lease)
+        with FeatureClient.connect(tmp_path / "fp.sock") as client:
+            cons = client._cuda
+            assert cons is not None and cons.info["device_uuid"] == "GPU-fake-0000"
+            imports = [c for c in drv.calls if c[0] == "import_fd"]
+            assert len(imports) == 2
+            for _, fd in imports:  # the consumer closed each FD right after importing it
+                with pytest.raises(OSError):
+                    os.fstat(fd)
+            consumer_maps = [p for p, (h, ro) in drv.maps.items() if ro is True]
+            assert len(consumer_maps) == 2  # read-only, beside the producer's read-write ones
+
+            out = client.open(desc)
+            wait = drv.calls[-1]
+            assert wait[0] == "stream_wait_value32_geq"
+            assert wait[3] == lease.generation
+            assert torch.equal(out, t)
+            client.release(desc)
+            assert drv.calls[-1][0] == "stream_write_value32"
+            assert pool.reap() == 1
+            assert pool.stats()["tiers"][0]["used_bytes"] == 0
+            with pytest.raises(StaleLease):
+                client.open(desc)
+        names = drv.names()
+        assert names.index("host_unregister") > len(names) - 8  # consumer close unregistered
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
