@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from safetensors.torch import save
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from app.engine import Engine
@@ -96,9 +97,12 @@ async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, by
     try:
         form = await request.form(max_files=s.max_images_per_request, max_fields=32,
                                   max_part_size=s.max_image_bytes)
-    except MultiPartException as e:
-        kind = "too_many_images" if "Too many files" in e.message else "invalid_request"
-        raise ApiError(kind, f"bad multipart body: {e.message}") from None
+    except (MultiPartException, HTTPException) as e:
+        # Starlette reports multipart limits as a 400 carrying the parser's message.
+        message = str(e.detail if isinstance(e, HTTPException) else e.message)
+        kind = ("too_many_images" if "Too many files" in message else
+                "image_too_large" if "exceeded maximum size" in message else "invalid_request")
+        raise ApiError(kind, f"bad multipart body: {message}") from None
     try:
         parts = form.getlist("image")
         if not parts:

@@ -1,0 +1,92 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "featpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: release name, plus the chart name unless the release name already holds it. */}}
+{{- define "featpool.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "featpool.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels: stable across upgrades (a Deployment's selector is immutable). */}}
+{{- define "featpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "featpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Standard labels on every object. */}}
+{{- define "featpool.labels" -}}
+helm.sh/chart: {{ include "featpool.chart" . }}
+{{ include "featpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: encoder
+app.kubernetes.io/part-of: featpool
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "featpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "featpool.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image: repository is required; a digest wins over the tag. */}}
+{{- define "featpool.image" -}}
+{{- $repo := required "image.repository is required: set it to the registry path of an image built from the featpool Dockerfile (e.g. --set image.repository=registry.example.com/featpool)" .Values.image.repository -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" $repo .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "featpool.socketPath" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.socket.mountPath) .Values.socket.fileName -}}
+{{- end -}}
+
+{{/* Name of the ResourceClaim or ResourceClaimTemplate that holds the GPU under DRA. */}}
+{{- define "featpool.gpuClaimName" -}}
+{{- if and (eq .Values.dra.gpu.source "existingClaim") (not .Values.dra.gpu.claimName) -}}
+{{- fail "dra.gpu.claimName is required when dra.gpu.source is existingClaim: name the ResourceClaim the consumer pods share" -}}
+{{- end -}}
+{{- if and (ne .Values.dra.gpu.source "template") (or (eq .Values.kind "DaemonSet") (gt (int .Values.replicaCount) 1)) -}}
+{{- fail (printf "dra.gpu.source=%s shares one ResourceClaim, so one GPU on one node: it needs kind=Deployment and replicaCount<=1 (use dra.gpu.source=template for a GPU per pod)" .Values.dra.gpu.source) -}}
+{{- end -}}
+{{- default (printf "%s-gpu" (include "featpool.fullname" .)) .Values.dra.gpu.claimName -}}
+{{- end -}}
+
+{{- define "featpool.computeDomainName" -}}
+{{- default (printf "%s-compute-domain" (include "featpool.fullname" .)) .Values.fabric.computeDomain.name -}}
+{{- end -}}
+
+{{- define "featpool.imexChannelTemplateName" -}}
+{{- default (printf "%s-imex-channel" (include "featpool.fullname" .)) .Values.fabric.computeDomain.channelTemplateName -}}
+{{- end -}}
+
+{{/*
+A settings value as the environment variable string the service parses: strings as they are,
+everything else as JSON (so 1073741824 does not become 1.073741824e+09, and lists become the
+JSON lists pydantic-settings expects).
+*/}}
+{{- define "featpool.envValue" -}}
+{{- if kindIs "string" . -}}
+{{- . -}}
+{{- else -}}
+{{- toJson . -}}
+{{- end -}}
+{{- end -}}
