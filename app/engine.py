@@ -76,10 +76,13 @@ class Engine:
             token=s.socket_token.get_secret_value() if s.socket_token else None,
             extra_welcome=self._welcome_extra)
         self.server.start()
-        self.encoder = self._encoder or await asyncio.to_thread(self._build_encoder)
-        self._mean = torch.tensor(self.encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
-        self._std = torch.tensor(self.encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        await asyncio.to_thread(self.encoder.warmup, [1, s.max_batch_size])
+        encoder = self._encoder
+        if encoder is None:
+            encoder = await asyncio.to_thread(self._build_encoder)
+        self.encoder = encoder
+        self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
+        self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
+        await asyncio.to_thread(encoder.warmup, [1, s.max_batch_size])
         self.batcher = Batcher(self._run_batch, max_batch_size=s.max_batch_size,
                                max_wait_s=s.max_batch_wait_ms / 1000, queue_size=s.queue_size,
                                discard=self._discard, on_batch=self._observe_batch)
@@ -120,7 +123,6 @@ class Engine:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
         loop = asyncio.get_running_loop()
         size = self.encoder.image_size
-        s = self.settings
         tasks = [loop.run_in_executor(self.decoder, self._decode, label, data, size)
                  for label, data in images]
         try:
@@ -171,7 +173,7 @@ class Engine:
     def _event(self) -> Any:
         if self.device.type != "cuda":
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ev.record()
         return ev
 
@@ -181,7 +183,7 @@ class Engine:
         if self.device.type != "cuda":
             self.metrics.encode_seconds.observe(time.perf_counter() - start)
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end.record()
         self._in_flight.append((start, end, n))
         while len(self._in_flight) > MAX_BATCHES_ON_GPU:

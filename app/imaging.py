@@ -53,8 +53,8 @@ def decode(data: bytes, size: int, *, max_pixels: int, max_bytes: int,
             if im.format == "JPEG":
                 im.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: much faster
             im.load()
-            im = _to_rgb(ImageOps.exif_transpose(im))
-            im = ImageOps.fit(im, (size, size), Image.Resampling.BICUBIC)
+            rgb = _to_rgb(ImageOps.exif_transpose(im))
+            rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
     except ApiError:
         raise
     except (UnidentifiedImageError, Image.DecompressionBombError,
@@ -65,7 +65,7 @@ def decode(data: bytes, size: int, *, max_pixels: int, max_bytes: int,
         raise ApiError("image_too_large", f"{label}: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated, corrupt headers...
         raise ApiError("invalid_image", f"{label} could not be decoded: {e}") from None
-    arr = np.asarray(im, dtype=np.uint8)
+    arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 

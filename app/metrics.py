@@ -27,7 +27,7 @@ FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # The *_created series double the exposition and no dashboard uses them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class PoolCollector(Collector):

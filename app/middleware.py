@@ -28,7 +28,7 @@ def endpoint_label(path: str) -> str:
     return "other"
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLargeError(Exception):
     pass
 
 
@@ -68,15 +68,15 @@ class ServiceMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    raise _BodyTooLargeError
             return message
 
         try:
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                raise _BodyTooLarge
+                raise _BodyTooLargeError
             await self.app(scope, receive_wrapper, send_wrapper)
-        except _BodyTooLarge:
+        except _BodyTooLargeError:
             if response_started:
                 raise
             status = 413

@@ -65,7 +65,8 @@ class EncodeOut(BaseModel):
 
 
 class RenewIn(BaseModel):
-    ttl_s: float | None = Field(None, gt=0, description="new deadline from now; default TTL if unset")
+    ttl_s: float | None = Field(None, gt=0,
+                                description="new deadline from now; default TTL if unset")
 
 
 TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in seconds")]
@@ -74,7 +75,8 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 ops = APIRouter()
 
 
-@v1.post("/encode", response_model=EncodeOut, summary="Encode images into pooled features",
+@v1.post("/encode", response_model=EncodeOut,
+         summary="Encode images into pooled features",
          responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}})
 async def encode(request: Request, ttl_s: TtlQuery = None) -> dict[str, Any]:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
@@ -135,8 +137,9 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
 
     tensor = await asyncio.to_thread(p.read, lease_id)
     body = save({"features": tensor.contiguous()}, metadata={"lease_id": lease_id})
+    disposition = f'attachment; filename="{lease_id}.safetensors"'
     return Response(body, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{lease_id}.safetensors"'})
+                    headers={"Content-Disposition": disposition})
 
 
 @v1.post("/leases/{lease_id}/renew", response_model=LeaseOut, responses={404: {}, 410: {}})

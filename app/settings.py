@@ -30,12 +30,15 @@ class Settings(BaseSettings):
     # Device and pool
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     transport: Literal["auto", "cuda_vmm", "host_shm"] = Field(
-        "auto", description="GPU pool (cuda_vmm) or host shared memory; auto picks cuda_vmm on CUDA")
+        "auto",
+        description="GPU pool (cuda_vmm) or host shared memory; auto picks cuda_vmm on CUDA")
     pool_bytes: int = Field(1024 * MiB, gt=0, description="GPU tier size (cuda_vmm)")
     host_pool_bytes: int = Field(256 * MiB, ge=0,
                                  description="host tier size; 0 disables the host tier")
-    slab_bytes: int = Field(128 * MiB, gt=0, description="size of one slab (rounded to granularity)")
-    inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
+    slab_bytes: int = Field(128 * MiB, gt=0,
+                            description="size of one slab (rounded to granularity)")
+    inline_max_bytes: int = Field(256 * MiB, ge=0,
+                                  description="bound on inline (HTTP-only) leases")
     max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
     lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
     max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")

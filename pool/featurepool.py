@@ -181,7 +181,8 @@ class FeaturePool:
                     if extent is None:
                         self.alloc_failures[tier.name] += 1
                         if self.policy == "fallback":
-                            reason = "oversize" if nbytes > tier.allocator.max_extent else "pool_full"
+                            too_big = nbytes > tier.allocator.max_extent
+                            reason = "oversize" if too_big else "pool_full"
                             nxt = candidates[i + 1].name if i + 1 < len(candidates) else INLINE
                             self.fallbacks[(reason, nxt)] += 1
                         continue

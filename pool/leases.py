@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pool.allocator import Extent
@@ -26,7 +26,7 @@ from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhauste
 GEN_MAX = 2**32 - 1  # generations are u32 words in the control block; 0 means "never used"
 
 
-class LeaseState(str, Enum):
+class LeaseState(StrEnum):
     RESERVED = "reserved"
     READY = "ready"
     RELEASED = "released"

@@ -1,3 +1,4 @@
+import itertools
 import random
 
 import pytest
@@ -12,7 +13,7 @@ def test_extents_are_aligned_and_disjoint() -> None:
     spans = sorted((e.slab, e.offset, e.offset + e.size) for e in extents if e)
     for e in extents:
         assert e is not None and e.offset % ALIGNMENT == 0 and e.size % ALIGNMENT == 0
-    for (s1, _, end1), (s2, start2, _) in zip(spans, spans[1:], strict=False):
+    for (s1, _, end1), (s2, start2, _) in itertools.pairwise(spans):
         assert s1 != s2 or end1 <= start2
     assert a.used_bytes == sum(e.size for e in extents if e)
 

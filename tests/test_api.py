@@ -22,7 +22,8 @@ def files(*images: tuple[str, bytes, str]) -> list[tuple[str, tuple[str, bytes, 
 
 def test_encode_multipart_jpeg_and_png(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    r = c.post("/v1/encode", files=files(("a.jpg", JPEG, "image/jpeg"), ("b.png", PNG, "image/png")))
+    r = c.post("/v1/encode",
+               files=files(("a.jpg", JPEG, "image/jpeg"), ("b.png", PNG, "image/png")))
     assert r.status_code == 200, r.text
     items = r.json()["items"]
     assert [i["shape"] for i in items] == [[17, 64], [17, 64]]

@@ -62,7 +62,7 @@ def test_generation_changes_on_every_reuse(clock: FakeClock) -> None:
 
 def test_free_slots_are_reused_oldest_first(clock: FakeClock) -> None:
     t = LeaseTable(3, clock=clock)
-    a, b, c = reserve(t), reserve(t), reserve(t)
+    a, b, _ = reserve(t), reserve(t), reserve(t)
     t.release(b.id)
     t.release(a.id)
     assert reserve(t).slot == b.slot  # b's slot rested longest

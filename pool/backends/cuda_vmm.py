@@ -93,7 +93,7 @@ def typed_view(base: torch.Tensor, offset: int, dtype: torch.dtype,
     count = 1
     for d in shape:
         count *= d
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if offset < 0 or offset + nbytes > base.numel():
         raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the slab of {base.numel()}")
     return base[offset:offset + nbytes].view(dtype).view(shape)

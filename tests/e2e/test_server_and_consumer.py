@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load
 
 from tests.conftest import image_bytes
@@ -35,7 +34,8 @@ def free_port() -> int:
 def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     port = free_port()
     sock = tmp_path / "featpool.sock"
-    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock), "FEATPOOL_HOST_POOL_BYTES": "16777216"}
+    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock),
+           "FEATPOOL_HOST_POOL_BYTES": "16777216"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
          "--encoder", "tiny-test", "--reap-interval-s", "0.01"],
@@ -72,8 +72,8 @@ out = []
 with FeatureClient.connect(sys.argv[1]) as client:
     for lease in leases:
         t = client.open(lease)
-        out.append({"shape": list(t.shape), "dtype": str(t.dtype),
-                    "sha256": hashlib.sha256(t.contiguous().view(-1).numpy().tobytes()).hexdigest()})
+        digest = hashlib.sha256(t.contiguous().view(-1).numpy().tobytes()).hexdigest()
+        out.append({"shape": list(t.shape), "dtype": str(t.dtype), "sha256": digest})
         client.release(lease)
 print(json.dumps(out))
 """
