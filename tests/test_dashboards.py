@@ -31,9 +31,9 @@ ALERTS = CHART / "files" / "alerts.yaml"
 
 # Labels Prometheus attaches to every series of a scraped target (ServiceMonitor defaults).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
-                                                             "_created"),
-            "summary": ("_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
+# Sample names of a family with no samples yet (`_created` only counts when actually exposed).
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+            "summary": ("_sum", "_count"), "gauge": ("",), "info": ("_info",),
             "stateset": ("",), "unknown": ("",)}
 
 METRIC = re.compile(r"\bfeatpool_[A-Za-z0-9_:]*")
