@@ -1,0 +1,44 @@
+# Two commands for a new machine:  `make serve` (install + start) and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Without an NVIDIA GPU, pin the CPU-capable torch first so pip does not fetch a multi-GB CUDA
+# build; with one, the range in pyproject.toml brings the usual CUDA build.
+TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
+EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,)
+ARGS   ?=
+
+.PHONY: install install-dev serve test lint bench-cpu clean
+
+$(VENV)/.base:
+	python3 -m venv $(VENV)
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)",)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base pyproject.toml
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.base pyproject.toml
+	$(PY) -m pip install -q -e ".[dev$(if $(EXTRAS),$(comma)$(EXTRAS),)]"
+	touch $@ $(VENV)/.installed
+
+comma := ,
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+## serve: install and start the service (CPU: host shared-memory pool, built-in ViT-B/16)
+serve: install
+	$(PY) -m app $(ARGS)
+
+## test: install the dev tools and run every test (GPU tests skip without CUDA)
+test: install-dev
+	$(PY) -m pytest $(ARGS)
+
+lint: install-dev
+	$(VENV)/bin/ruff check app pool tests bench
+	$(VENV)/bin/ruff format --check app pool tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
