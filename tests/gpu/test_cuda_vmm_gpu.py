@@ -1,0 +1,221 @@
+"""The GPU tier on a real GPU: a producer process (FeaturePool + CudaVmmBackend +
+HandoffServer) and this test process as the consumer (FeatureClient)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pool.errors import PoolRestarted, StaleLease
+from pool.featurepool import parse_dtype
+from tests.gpu._harness import ROOT, Producer, pattern, subprocess_env
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA"),
+]
+
+DTYPES = ["uint8", "float16", "bfloat16", "float32", "int32", "float64"]
+
+
+@pytest.fixture
+def sock(tmp_path: Path) -> Path:
+    return tmp_path / "featpool.sock"
+
+
+@pytest.fixture
+def producer(sock: Path) -> Iterator[Producer]:
+    p = Producer(sock, max_leases=8)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def client(producer: Producer, sock: Path) -> Iterator[Any]:
+    from pool.client import FeatureClient
+
+    c = FeatureClient.connect(sock)
+    yield c
+    c.close()
+
+
+def expected(desc: dict[str, Any], seed: int) -> torch.Tensor:
+    return pattern(int(desc["nbytes"]), seed, "cuda")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def gpu_used(p: Producer) -> int:
+    return int(p.call("stats")["stats"]["tiers"][0]["used_bytes"])
+
+
+def wait_until(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def test_integrity_over_many_leases_of_mixed_sizes(sock: Path) -> None:
+    from pool.client import FeatureClient
+
+    p = Producer(sock, pool_mb=64, slab_mb=32, max_leases=64)
+    try:
+        with FeatureClient.connect(sock) as client:
+            assert client.welcome["cuda"]["device_uuid"]
+            rng = random.Random(7)
+            checked = 0
+            for batch in range(15):
+                leases = []
+                for k in range(20):
+                    dtype = rng.choice(DTYPES)
+                    size = parse_dtype(dtype).itemsize
+                    nbytes = size * rng.choice([1, 3, 255, 4096, 77_777, 1 << 18, 300_001])
+                    seed = batch * 100 + k
+                    desc = p.call("put", nbytes=nbytes, dtype=dtype, seed=seed)["lease"]
+                    assert desc["tier"] == "gpu" and desc["transport"] == "cuda_vmm"
+                    leases.append((desc, seed))
+                for desc, seed in leases:
+                    t = client.open(desc)
+                    assert t.is_cuda and str(t.dtype) == f"torch.{desc['dtype']}"
+                    assert t.shape == tuple(desc["shape"])
+                    assert torch.equal(as_bytes(t), expected(desc, seed)), desc
+                    client.release(desc)
+                    checked += 1
+                torch.cuda.synchronize()  # the acks have landed
+                assert wait_until(lambda: gpu_used(p) == 0), f"batch {batch} not recycled"
+            assert checked == 300
+    finally:
+        p.close()
+
+
+def test_consumer_mapping_is_zero_copy(producer: Producer, client: Any) -> None:
+    desc = producer.call("put", nbytes=1 << 20, dtype="float32", seed=1)["lease"]
+    a = client.open(desc)
+    b = client.open(desc)
+    assert a.data_ptr() == b.data_ptr()  # both views of the one mapping, no copy
+    slab = client._slabs[("gpu", desc["slab"])]
+    assert a.data_ptr() == slab.ptr + desc["offset"]
+    client.release(desc)
+
+
+def test_write_through_read_only_mapping_is_refused(producer: Producer, client: Any,
+                                                    sock: Path) -> None:
+    desc = producer.call("put", nbytes=4096, dtype="uint8", seed=5)["lease"]
+    r = subprocess.run([sys.executable, "-m", "tests.gpu.readonly_writer", str(sock),
+                        json.dumps(desc)], check=False, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=subprocess_env())
+    print(r.stdout, r.stderr[-2000:])
+    assert "REFUSED" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert torch.equal(as_bytes(client.open(desc)), expected(desc, 5))  # bytes unchanged
+    client.release(desc)
+
+
+def test_consumer_stream_waits_for_a_delayed_producer_copy(producer: Producer,
+                                                          client: Any) -> None:
+    cycles = 600_000_000  # about 0.3 s at H200 clocks
+    t0 = time.perf_counter()
+    reply = producer.call("put", nbytes=8 << 20, dtype="bfloat16", seed=9, sleep_cycles=cycles)
+    t_reply = time.perf_counter() - t0
+    desc = reply["lease"]
+    # The producer's host returned long before its stream got to the copy: no host sync.
+    assert reply["ready_after_put"] < desc["generation"]
+    assert t_reply < 0.1
+    t = client.open(desc)  # enqueues the wait; returns at once
+    ok = torch.equal(as_bytes(t), expected(desc, 9))  # runs after the wait on this stream
+    waited = time.perf_counter() - t0
+    assert ok
+    assert waited > 0.1, f"consumer finished after {waited:.3f}s: it did not wait"
+    client.release(desc)
+
+
+def test_ack_recycles_and_generation_guards_the_slot(producer: Producer, client: Any) -> None:
+    first = producer.call("put", nbytes=1 << 20, dtype="float16", seed=11)["lease"]
+    assert gpu_used(producer) > 0
+    assert torch.equal(as_bytes(client.open(first)), expected(first, 11))
+    client.release(first)  # the ack, written by this process's stream
+    torch.cuda.synchronize()
+    assert wait_until(lambda: gpu_used(producer) == 0), "reaper did not free the acked extent"
+    with pytest.raises(StaleLease):
+        client.open(first)
+    # Cycle through the 8 slots until the first one is reused with a new generation.
+    reused = None
+    for i in range(8):
+        d = producer.call("put", nbytes=4096, dtype="uint8", seed=20 + i)["lease"]
+        if d["slot"] == first["slot"]:
+            reused = (d, 20 + i)
+    assert reused is not None
+    new, seed = reused
+    assert new["generation"] > first["generation"]
+    with pytest.raises(StaleLease):
+        client.open(first)
+    assert torch.equal(as_bytes(client.open(new)), expected(new, seed))
+
+
+def test_producer_restart_is_seen_and_reattach_works(sock: Path) -> None:
+    from pool.client import FeatureClient
+
+    p1 = Producer(sock)
+    client = FeatureClient.connect(sock)
+    try:
+        old = p1.call("put", nbytes=65536, dtype="uint8", seed=1)["lease"]
+        assert torch.equal(as_bytes(client.open(old)), expected(old, 1))
+        torch.cuda.synchronize()
+        p1.close()
+        p2 = Producer(sock)
+        try:
+            new = p2.call("put", nbytes=65536, dtype="uint8", seed=2)["lease"]
+            assert new["epoch"] != old["epoch"]
+            with pytest.raises(PoolRestarted):
+                client.open(new)
+            with pytest.raises(PoolRestarted):
+                client.lookup(old["lease_id"])
+            client.reattach()
+            assert torch.equal(as_bytes(client.open(new)), expected(new, 2))
+            client.release(new)
+            torch.cuda.synchronize()
+            assert wait_until(lambda: gpu_used(p2) == 0)
+        finally:
+            client.close()
+            p2.close()
+    finally:
+        p1.close()
+
+
+def test_driver_calls_run_in_torchs_context(producer: Producer, client: Any) -> None:
+    r = producer.call("ctx")
+    assert r["primary"] != 0
+    assert r["current"] == r["primary"] == r["slab"] == r["torch_tensor"] == r["other_thread"]
+    # The consumer side, in this process: the mapping lives in torch's context too.
+    drv = client._cuda.driver
+    desc = producer.call("put", nbytes=4096, dtype="uint8", seed=3)["lease"]
+    t = client.open(desc)
+    ctx_torch = drv.pointer_context(torch.empty(1, device="cuda").data_ptr())
+    assert drv.pointer_context(t.data_ptr()) == ctx_torch == drv.primary_context()
+    seen: dict[str, int] = {}
+
+    def other() -> None:  # a thread torch never used: open/release must still work
+        t2 = client.open(desc)
+        seen["ok"] = int(torch.equal(as_bytes(t2), expected(desc, 3)))
+        seen["ctx"] = drv.current_context()
+        client.release(desc)
+        torch.cuda.synchronize()
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert seen == {"ok": 1, "ctx": ctx_torch}
