@@ -143,7 +143,9 @@ class Driver:
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = ordinal
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType(int(handle_types))
+        # A bitmask (POSIX_FD | FABRIC = 9) is no member of the binding's enum: assign the int
+        # (the setter stores it; only reading the field back would fail).
+        prop.requestedHandleTypes = int(handle_types)
         return prop
 
     def granularity(self, ordinal: int, handle_types: HandleType) -> int:
