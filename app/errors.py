@@ -43,6 +43,15 @@ STATUS: dict[str, int] = {
 }
 
 
+# Requests turned away before any work, counted in featpool_rejected_total{reason}.
+REJECTIONS = {"queue_full", "not_ready", "pool_exhausted", "payload_too_large"}
+
+
+def count_rejection(request: Request, kind: str) -> None:
+    if kind in REJECTIONS:
+        request.app.state.metrics.rejected.labels(kind).inc()
+
+
 class ApiError(Exception):
     def __init__(self, type_: str, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -59,11 +68,13 @@ def error_response(type_: str, message: str, headers: dict[str, str] | None = No
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api(_: Request, e: ApiError) -> JSONResponse:
+    async def _api(request: Request, e: ApiError) -> JSONResponse:
+        count_rejection(request, e.type)
         return error_response(e.type, e.message, e.headers)
 
     @app.exception_handler(PoolError)
-    async def _pool(_: Request, e: PoolError) -> JSONResponse:
+    async def _pool(request: Request, e: PoolError) -> JSONResponse:
+        count_rejection(request, e.type)
         if STATUS.get(e.type, 500) >= 500:
             log.warning("pool error: %s", e)
         return error_response(e.type, str(e))

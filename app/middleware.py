@@ -80,6 +80,7 @@ class ServiceMiddleware:
             if response_started:
                 raise
             status = 413
+            self.metrics.rejected.labels("payload_too_large").inc()
             await _send_json(send_wrapper, 413, {"error": {
                 "type": "payload_too_large",
                 "message": f"request body exceeds {self.max_body_bytes} bytes"}})
