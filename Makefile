@@ -15,7 +15,7 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".$(if $(EXTRAS),[$(EXTRAS)],)"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.base pyproject.toml
