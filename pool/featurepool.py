@@ -176,21 +176,25 @@ class FeaturePool:
         with self._lock:
             while True:
                 self._reap_locked()
-                for i, tier in enumerate(candidates):
+                # Why the first tier refused, counted once the tensor lands lower in the chain.
+                reason = "no_tier_for_device" if not candidates and self.tiers else None
+                for tier in candidates:
                     extent = tier.allocator.allocate(nbytes)
                     if extent is None:
                         self.alloc_failures[tier.name] += 1
-                        if self.policy == "fallback":
+                        if reason is None:
                             too_big = nbytes > tier.allocator.max_extent
                             reason = "oversize" if too_big else "pool_full"
-                            nxt = candidates[i + 1].name if i + 1 < len(candidates) else INLINE
-                            self.fallbacks[(reason, nxt)] += 1
                         continue
-                    return self._lease_locked(tier, extent, tensor, nbytes, ttl), tier
+                    lease = self._lease_locked(tier, extent, tensor, nbytes, ttl)
+                    if reason is not None:
+                        self.fallbacks[(reason, tier.name)] += 1
+                    return lease, tier
                 if self.policy == "fallback":
-                    if not candidates and self.tiers:
-                        self.fallbacks[("no_tier_for_device", INLINE)] += 1
-                    return self._inline_locked(tensor, nbytes, ttl), None
+                    lease = self._inline_locked(tensor, nbytes, ttl)
+                    if reason is not None:
+                        self.fallbacks[(reason, INLINE)] += 1
+                    return lease, None
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     name = candidates[0].name if candidates else "any"
