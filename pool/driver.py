@@ -50,6 +50,7 @@ class DriverAPI(Protocol):
     def host_register(self, addr: int, size: int) -> None: ...
     def host_unregister(self, addr: int) -> None: ...
     def host_device_pointer(self, addr: int) -> int: ...
+    def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
     def stream_write_value32(self, stream: int, addr: int, value: int) -> None: ...
     def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None: ...
 
@@ -240,6 +241,12 @@ class Driver:
                                self.cu.cuMemHostGetDevicePointer(addr, 0)))
 
     # ---- stream memory operations (the hot path: no allocation beyond the call) ------------
+
+    def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._current()
+        err = self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)[0]
+        if err:
+            self._check("cuMemcpyDtoDAsync", (err,))
 
     def stream_write_value32(self, stream: int, addr: int, value: int) -> None:
         self._current()

@@ -182,6 +182,15 @@ class FakeDriver:
         assert any(a <= host < a + s for a, s in self.registered.items()), "unregistered word"
         return host
 
+    def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call("memcpy_dtod_async", dst, src, nbytes, stream)
+        for ptr, (handle, _) in self.maps.items():
+            if ptr <= dst and dst + nbytes <= ptr + handle.size:
+                view = (ctypes.c_char * nbytes).from_buffer(handle.mem, dst - ptr)
+                ctypes.memmove(view, src, nbytes)  # the fake's "device" is host memory
+                return
+        raise CudaError("cuMemcpyDtoDAsync", 1, "CUDA_ERROR_INVALID_VALUE")
+
     def stream_write_value32(self, stream: int, addr: int, value: int) -> None:
         self._call("stream_write_value32", stream, addr, value)
         for hook in self.on_write:
@@ -351,8 +360,10 @@ def test_close_is_idempotent_and_synchronizes_before_unmap() -> None:
 # ---- publish --------------------------------------------------------------------------------
 
 
-def test_publish_copies_then_writes_ready_on_the_same_stream() -> None:
+@pytest.mark.parametrize("engine", ["driver", "torch"])
+def test_publish_copies_then_writes_ready_on_the_same_stream(engine: str) -> None:
     be, drv = make()
+    be.copy_engine = engine  # type: ignore[assignment]
     pool = FeaturePool([be], max_leases=8)
     try:
         assert "host_register" in drv.names()  # bound at pool creation, not on the hot path
@@ -369,6 +380,10 @@ def test_publish_copies_then_writes_ready_on_the_same_stream() -> None:
         n0 = len(drv.calls)
         lease = pool.put(t)
         published = drv.calls[n0:]
+        if engine == "driver":  # the copy, then the ready write, both on torch's stream
+            assert [c[0] for c in published] == ["memcpy_dtod_async", "stream_write_value32"]
+            assert published[0][2:] == (t.data_ptr(), t.numel() * 4, 0xABC)
+            published = published[1:]
         assert [c[0] for c in published] == ["stream_write_value32"]  # nothing else, no sync
         _, stream, addr, value = published[0]
         assert stream == 0xABC and value == lease.generation == 1

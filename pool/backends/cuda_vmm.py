@@ -173,6 +173,8 @@ def probe_fabric(driver: DriverAPI, ordinal: int, mode: FabricMode) -> FabricSta
 class CudaVmmBackend:
     tier = "gpu"
     transport = "cuda_vmm"
+    # "driver": cuMemcpyDtoDAsync for contiguous tensors; "torch": view.copy_ (any layout).
+    copy_engine: Literal["driver", "torch"] = "driver"
 
     def __init__(self, driver: DriverAPI, rt: Any, slab_sizes: list[int], granularity: int,
                  fabric: FabricStatus) -> None:
@@ -275,11 +277,23 @@ class CudaVmmBackend:
                 f"host tensors to a host_shm tier")
         if self._ctrl is not ctrl:
             self.bind_control(ctrl)
-        dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
-        dst.copy_(tensor, non_blocking=True)
+        stream = self.rt.current_stream()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.copy_engine == "driver" and tensor.is_contiguous():
+            # One cuMemcpyDtoDAsync on torch's current stream: the same cudaMemcpyAsync that
+            # tensor.copy_ issues for contiguous tensors, without ~10 us of torch dispatch and
+            # view building on the host (measured on the H200, docs/benchmarks.md).
+            if nbytes > extent.size:
+                raise ValueError(f"{nbytes} bytes do not fit the extent {extent}")
+            base = self._slabs[extent.slab]
+            self.driver.memcpy_dtod_async(base.ptr + extent.offset, tensor.data_ptr(), nbytes,
+                                          stream)
+        else:
+            dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
+            dst.copy_(tensor, non_blocking=True)
         # Same stream, after the copy: the write is ordered behind it (with a memory barrier).
         word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
-        self.driver.stream_write_value32(self.rt.current_stream(), word, gen)
+        self.driver.stream_write_value32(stream, word, gen)
 
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         base = self._slabs[extent.slab].base
