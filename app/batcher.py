@@ -60,6 +60,7 @@ class Batcher(Generic[T, R]):
         self._on_batch = on_batch
         self._queue: asyncio.Queue[_Item[T, R]] = asyncio.Queue()
         self._slots = asyncio.Semaphore(in_flight)  # batches gathered but not yet finished
+        self._turn = asyncio.Lock()  # batches run one after another, in order
         # One thread runs batches, in order: the encoder and its CUDA stream are not shared.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-batch")
         self._task: asyncio.Task[None] | None = None
@@ -139,29 +140,36 @@ class Batcher(Generic[T, R]):
 
     async def _run(self, batch: list[_Item[T, R]]) -> None:
         try:
-            live = [i for i in batch if not i.future.done()]
-            if not live:
-                return
-            started = time.perf_counter()
-            waits = [started - i.enqueued for i in live]
-            loop = asyncio.get_running_loop()
-            try:
-                results: Sequence[R | BaseException] = await loop.run_in_executor(
-                    self._executor, self._run_batch, [i.value for i in live])
-                if len(results) != len(live):
-                    raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
-            except Exception as e:
-                log.exception("batch of %d failed", len(live))
-                results = [e] * len(live)
-            for item, result in zip(live, results, strict=True):
-                if item.future.done():  # the requester went away while we worked
-                    if not isinstance(result, BaseException):
-                        self._discard(result)
-                elif isinstance(result, BaseException):
-                    item.future.set_exception(result)
-                else:
-                    item.future.set_result(result)
-            self._on_batch(BatchStats(len(live), waits, time.perf_counter() - started,
-                                      len(batch) - len(live)))
+            async with self._turn:
+                await self._run_live(batch)
         finally:
             self._slots.release()
+
+    async def _run_live(self, batch: list[_Item[T, R]]) -> None:
+        # Looked at when the batch thread is free, so a request cancelled while its batch
+        # waited for the previous one is skipped, not run.
+        live = [i for i in batch if not i.future.done()]
+        if not live:
+            self._on_batch(BatchStats(0, [], 0.0, len(batch)))
+            return
+        started = time.perf_counter()
+        waits = [started - i.enqueued for i in live]
+        loop = asyncio.get_running_loop()
+        try:
+            results: Sequence[R | BaseException] = await loop.run_in_executor(
+                self._executor, self._run_batch, [i.value for i in live])
+            if len(results) != len(live):
+                raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
+        except Exception as e:
+            log.exception("batch of %d failed", len(live))
+            results = [e] * len(live)
+        for item, result in zip(live, results, strict=True):
+            if item.future.done():  # the requester went away while we worked
+                if not isinstance(result, BaseException):
+                    self._discard(result)
+            elif isinstance(result, BaseException):
+                item.future.set_exception(result)
+            else:
+                item.future.set_result(result)
+        self._on_batch(BatchStats(len(live), waits, time.perf_counter() - started,
+                                  len(batch) - len(live)))

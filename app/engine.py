@@ -19,7 +19,8 @@ from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
 from app.errors import ApiError
-from app.imaging import decode
+from app.gpu_decode import JpegDecoder, preprocess
+from app.imaging import decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.errors import PoolError
@@ -34,8 +35,13 @@ MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU 
 
 @dataclass
 class Job:
-    pixels: torch.Tensor  # [3, S, S] uint8, on the CPU
+    label: str
     ttl_s: float | None
+    pixels: torch.Tensor | None = None  # [3, S, S] uint8 on the CPU (Pillow decoded it)
+    jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
+    orientation: int = 1
+    pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
+    dtype: torch.dtype | None = None  # cast before publishing; None keeps the encoder's
 
 
 class Engine:
@@ -50,12 +56,14 @@ class Engine:
         self.server: HandoffServer | None = None
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
+        self.jpeg: JpegDecoder | None = None
         self.decoder = ThreadPoolExecutor(settings.decode_workers,
                                           thread_name_prefix="featpool-decode")
         self.ready = False
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._mean = self._std = torch.empty(0)
+        self._buckets: list[int] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -80,9 +88,15 @@ class Engine:
         if encoder is None:
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
+        self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        await asyncio.to_thread(encoder.warmup, [1, s.max_batch_size])
+        if s.encoder_compile and self.device.type == "cuda" and self._encoder is None:
+            # A compiled graph per batch size: pad batches up to powers of two, so that a
+            # handful of sizes is compiled once, here, and never while serving.
+            self._buckets = sorted({min(1 << k, s.max_batch_size)
+                                    for k in range(s.max_batch_size.bit_length() + 1)})
+        await asyncio.to_thread(encoder.warmup, self._buckets or [1, s.max_batch_size])
         self.batcher = Batcher(self._run_batch, max_batch_size=s.max_batch_size,
                                max_wait_s=s.max_batch_wait_ms / 1000, queue_size=s.queue_size,
                                discard=self._discard, on_batch=self._observe_batch)
@@ -92,7 +106,8 @@ class Engine:
     def _build_encoder(self) -> Encoder:
         s = self.settings
         dtype = None if s.dtype == "auto" else getattr(torch, s.dtype)
-        return build_encoder(s.encoder, device=self.device, dtype=dtype, weights=s.encoder_weights)
+        return build_encoder(s.encoder, device=self.device, dtype=dtype, weights=s.encoder_weights,
+                             compile=s.encoder_compile)
 
     def _welcome_extra(self) -> dict[str, Any]:
         if self.device.type != "cuda":
@@ -114,25 +129,43 @@ class Engine:
 
     # ---- the encode path -------------------------------------------------------------------
 
-    async def encode(self, images: Sequence[tuple[str, bytes]], ttl_s: float | None
-                     ) -> list[Lease]:
-        """Decode, batch, encode and publish; all or nothing: on any failure no lease remains."""
+    async def encode(self, images: Sequence[tuple[str, bytes]], ttl_s: float | None, *,
+                     pooled: bool = False, dtype: torch.dtype | None = None) -> list[Lease]:
+        """Validate, decode, batch, encode and publish; all or nothing: on any failure no
+        lease remains. Every image is validated before any is queued."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
-        loop = asyncio.get_running_loop()
+        s = self.settings
         size = self.encoder.image_size
-        tasks = [loop.run_in_executor(self.decoder, self._decode, label, data, size)
-                 for label, data in images]
+        jobs: list[Job | None] = [None] * len(images)
         try:
-            pixels = await asyncio.gather(*tasks)
+            if self.jpeg is not None:
+                # JPEGs for nvJPEG: only the header is parsed here (tens of microseconds, less
+                # than a hop to the thread pool); the pixels are decoded on the GPU in batches.
+                for i, (label, data) in enumerate(images):
+                    if data[:3] == b"\xff\xd8\xff":
+                        h = inspect(data, max_pixels=s.max_image_pixels,
+                                    max_bytes=s.max_image_bytes, label=label)
+                        if h.gpu_jpeg:
+                            jobs[i] = Job(label, ttl_s, jpeg=data, orientation=h.orientation,
+                                          pooled=pooled, dtype=dtype)
+            loop = asyncio.get_running_loop()
+            todo = [i for i, j in enumerate(jobs) if j is None]
+            tasks = [loop.run_in_executor(self.decoder, self._decode, *images[i], size)
+                     for i in todo]
+            try:
+                for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
+                    jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
         except ApiError:
             self.metrics.images.labels("rejected").inc(len(images))
-            for t in tasks:
-                t.cancel()
             raise
-        leases = await self.batcher.submit([Job(p, ttl_s) for p in pixels])
+        leases = await self.batcher.submit([j for j in jobs if j is not None])
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
@@ -144,31 +177,98 @@ class Engine:
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 
-    def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
-        """Runs on the batch thread: normalise, encode, publish each row to the pool."""
-        assert self.encoder is not None and self.pool is not None
-        try:
-            x = torch.stack([j.pixels for j in jobs])
+    def _pixels(self, jobs: list[Job]) -> tuple[list[int], torch.Tensor | None,
+                                                 dict[int, BaseException]]:
+        """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
+        that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
+        assert self.encoder is not None
+        size = self.encoder.image_size
+        failed: dict[int, BaseException] = {}
+        host: dict[int, torch.Tensor] = {i: j.pixels for i, j in enumerate(jobs)
+                                         if j.pixels is not None}
+        on_gpu: dict[int, torch.Tensor] = {}
+        gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
+        if gpu_idx:
+            assert self.jpeg is not None
+            t0 = time.perf_counter()
+            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8)
+                     for i in gpu_idx]
+            for i, out in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
+                if isinstance(out, torch.Tensor):
+                    on_gpu[i] = out
+                    continue
+                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, out)
+                try:
+                    host[i] = self._decode(jobs[i].label, jobs[i].jpeg, size)
+                except ApiError as e:
+                    failed[i] = e
+            spent = (time.perf_counter() - t0) / len(gpu_idx)
+            for _ in gpu_idx:
+                self.metrics.decode_seconds.observe(spent)
+        ok = sorted([*host, *on_gpu])
+        if not ok:
+            return ok, None, failed
+        parts: list[tuple[list[int], torch.Tensor]] = []
+        if on_gpu:
+            g = sorted(on_gpu)
+            parts.append((g, preprocess([on_gpu[i] for i in g],
+                                        [jobs[i].orientation for i in g], size)))
+        if host:
+            h = sorted(host)
+            x = torch.stack([host[i] for i in h])
             if self.device.type == "cuda":
                 x = x.pin_memory().to(self.device, non_blocking=True)
-            x = (x.float() - self._mean) / self._std
+            parts.append((h, x.float()))
+        if len(parts) == 1:
+            return ok, parts[0][1], failed
+        x = torch.empty(len(ok), 3, size, size, device=self.device)
+        row = {i: r for r, i in enumerate(ok)}
+        for idx, part in parts:
+            x[torch.tensor([row[i] for i in idx], device=self.device)] = part
+        return ok, x, failed
+
+    def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
+        """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
+        An image that cannot be decoded fails alone; a CUDA error fails the batch and marks
+        the service not live."""
+        assert self.encoder is not None and self.pool is not None
+        try:
+            ok, x, failed = self._pixels(jobs)
+            results: list[Lease | BaseException] = [failed.get(i, ApiError(
+                "internal_error", "not encoded")) for i in range(len(jobs))]
+            if x is None:
+                return results
+            x = (x - self._mean) / self._std
             start = self._event()
-            feats = self.encoder.encode(x)
-            self._track(start, len(jobs))
+            n = x.shape[0]
+            pad = next((b for b in self._buckets if b >= n), n) - n
+            if pad:
+                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            feats = self.encoder.encode(x)[:n]
+            self._track(start, len(ok))
+            pooled = (feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None)
         except RuntimeError as e:
-            if "CUDA" in str(e) or "cuda" in str(e):
-                self.dead_reason = f"CUDA error in the encoder: {e}"
-                log.critical("%s; the service reports not live", self.dead_reason)
+            self._check_cuda(e, "the encoder")
             return [e] * len(jobs)
-        results: list[Lease | BaseException] = []
-        for i, job in enumerate(jobs):
+        for row, i in enumerate(ok):
+            job = jobs[i]
             t0 = time.perf_counter()
             try:
-                results.append(self.pool.put(feats[i], job.ttl_s))
+                f = pooled[row] if job.pooled and pooled is not None else feats[row]
+                f = f.to(job.dtype or self.encoder.dtype)
+                results[i] = self.pool.put(f, job.ttl_s)
             except (PoolError, ValueError) as e:
-                results.append(e)
+                results[i] = e
+            except RuntimeError as e:  # the batch's other leases stay valid and are returned
+                self._check_cuda(e, "publishing")
+                results[i] = e
             self.metrics.publish_seconds.observe(time.perf_counter() - t0)
         return results
+
+    def _check_cuda(self, e: BaseException, where: str) -> None:
+        if "CUDA" in str(e) or "cuda" in str(e):
+            self.dead_reason = f"CUDA error in {where}: {e}"
+            log.critical("%s; the service reports not live", self.dead_reason)
 
     def _event(self) -> Any:
         if self.device.type != "cuda":
@@ -199,7 +299,8 @@ class Engine:
             pass
 
     def _observe_batch(self, stats: BatchStats) -> None:
-        self.metrics.batch_size.observe(stats.size)
+        if stats.size:
+            self.metrics.batch_size.observe(stats.size)
         for w in stats.queue_wait_s:
             self.metrics.queue_seconds.observe(w)
         if stats.skipped:

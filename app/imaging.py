@@ -9,7 +9,11 @@ white.
 from __future__ import annotations
 
 import io
+import struct
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +24,7 @@ from app.errors import ApiError
 FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "GIF": "image/gif",
            "BMP": "image/bmp", "TIFF": "image/tiff"}
 ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
+EXIF_ORIENTATION = 0x0112
 
 
 def check_content_type(content_type: str | None, what: str = "body") -> None:
@@ -30,41 +35,80 @@ def check_content_type(content_type: str | None, what: str = "body") -> None:
                        f"{', '.join(sorted(FORMATS.values()))}")
 
 
-def decode(data: bytes, size: int, *, max_pixels: int, max_bytes: int,
-           label: str = "image") -> torch.Tensor:
-    """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
+@dataclass(frozen=True)
+class Header:
+    """What a header parse tells, before any pixel is decoded."""
+
+    format: str
+    width: int
+    height: int
+    mode: str
+    orientation: int  # EXIF orientation, 1 (upright) to 8
+    gpu_jpeg: bool  # a JPEG nvJPEG can take: RGB or grayscale, ending in EOI
+
+
+@contextmanager
+def _image_errors(label: str) -> Iterator[None]:
+    """Everything Pillow raises on hostile or broken bytes, as ApiErrors."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield
+    except ApiError:
+        raise
+    except UnidentifiedImageError:
+        raise ApiError("invalid_image", f"{label} is not a recognised image "
+                       "(JPEG, PNG, WebP, GIF, BMP or TIFF)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ApiError("image_too_large", f"{label}: {e}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, KeyError, struct.error) as e:
+        # truncated data, corrupt headers or EXIF...
+        raise ApiError("invalid_image", f"{label} could not be decoded: {e}") from None
+
+
+def _open(data: bytes, *, max_pixels: int, max_bytes: int, label: str) -> Image.Image:
+    """Parse the header only and apply the limits: type, bytes, pixels."""
     if not data:
         raise ApiError("empty_image", f"{label} is empty")
     if len(data) > max_bytes:
         raise ApiError("image_too_large", f"{label} is {len(data)} bytes; the limit is {max_bytes}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
-            if im.format not in FORMATS:
-                raise ApiError("unsupported_media_type",
-                               f"{label} is {im.format}; send JPEG, PNG, WebP, GIF, BMP or TIFF")
-            w, h = im.size
-            if w <= 0 or h <= 0:
-                raise ApiError("invalid_image", f"{label} has no pixels ({w}x{h})")
-            if w * h > max_pixels:
-                raise ApiError("image_too_large",
-                               f"{label} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
-            if im.format == "JPEG":
-                im.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: much faster
-            im.load()
-            rgb = _to_rgb(ImageOps.exif_transpose(im))
-            rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
-    except ApiError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
-        if isinstance(e, UnidentifiedImageError):
-            raise ApiError("invalid_image", f"{label} is not a recognised image "
-                           "(JPEG, PNG, WebP, GIF, BMP or TIFF)") from None
-        raise ApiError("image_too_large", f"{label}: {e}") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated, corrupt headers...
-        raise ApiError("invalid_image", f"{label} could not be decoded: {e}") from None
+    im = Image.open(io.BytesIO(data))
+    if im.format not in FORMATS:
+        raise ApiError("unsupported_media_type",
+                       f"{label} is {im.format}; send JPEG, PNG, WebP, GIF, BMP or TIFF")
+    w, h = im.size
+    if w <= 0 or h <= 0:
+        raise ApiError("invalid_image", f"{label} has no pixels ({w}x{h})")
+    if w * h > max_pixels:
+        raise ApiError("image_too_large",
+                       f"{label} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+    return im
+
+
+def inspect(data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image") -> Header:
+    """Validate without decoding pixels (tens of microseconds): the same errors as decode()."""
+    with _image_errors(label):
+        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
+        orientation = int(im.getexif().get(EXIF_ORIENTATION, 1)) if im.format == "JPEG" else 1
+        if orientation not in range(1, 9):
+            orientation = 1  # as Pillow's exif_transpose: an unknown value changes nothing
+        # A JPEG without its EOI marker is routed to Pillow, which refuses it as truncated;
+        # nvJPEG could return it half-grey instead. CMYK/YCCK stay with Pillow too.
+        gpu = (im.format == "JPEG" and im.mode in ("RGB", "L")
+               and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9")
+        return Header(str(im.format), im.size[0], im.size[1], im.mode, orientation, gpu)
+
+
+def decode(data: bytes, size: int, *, max_pixels: int, max_bytes: int,
+           label: str = "image") -> torch.Tensor:
+    """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
+    with _image_errors(label):
+        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
+        if im.format == "JPEG":
+            im.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: much faster
+        im.load()
+        rgb = _to_rgb(ImageOps.exif_transpose(im))
+        rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
     arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
+import torch
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -70,6 +71,10 @@ class RenewIn(BaseModel):
 
 
 TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in seconds")]
+PooledQuery = Annotated[bool, Query(
+    description="publish the mean over tokens, shape [D], instead of every token, [T, D]")]
+DtypeQuery = Annotated[Literal["float32", "bfloat16", "float16"] | None, Query(
+    description="dtype of the published features; default: the encoder's")]
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 ops = APIRouter()
@@ -78,7 +83,8 @@ ops = APIRouter()
 @v1.post("/encode", response_model=EncodeOut,
          summary="Encode images into pooled features",
          responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}})
-async def encode(request: Request, ttl_s: TtlQuery = None) -> dict[str, Any]:
+async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False,
+                 dtype: DtypeQuery = None) -> dict[str, Any]:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
     image, in order."""
     eng = engine(request)
@@ -90,7 +96,8 @@ async def encode(request: Request, ttl_s: TtlQuery = None) -> dict[str, Any]:
         check_content_type(ctype)
         data = await request.body()
         images = [("image", data)]
-    leases = await eng.encode(images, ttl_s)
+    leases = await eng.encode(images, ttl_s, pooled=pooled,
+                              dtype=getattr(torch, dtype) if dtype else None)
     p = pool(request)
     return {"items": [p.describe(lease) for lease in leases]}
 

@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     encoder_weights: Path | None = Field(None, description="local safetensors file for the encoder")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU")
+    encoder_compile: bool = Field(
+        False, description="torch.compile the encoder on CUDA (a few % faster, slower start)")
+    gpu_decode: Literal["auto", "on", "off"] = Field(
+        "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never")
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
     queue_size: int = Field(256, gt=0, description="images waiting at most; beyond -> 429")

@@ -1,0 +1,264 @@
+"""End-to-end benchmark: the real server in a subprocess on a loopback port, driven over HTTP
+by several client processes (httpx + asyncio), against a naive baseline in the same run (the
+same server with Pillow decode and one forward per request: --max-batch-size 1 --gpu-decode off).
+
+    python bench/bench_e2e.py --device cuda --encoder vit-b16-224 --out /tmp/bench.json
+
+Reports images/s and p50/p99 request latency per point, and where the server's time went
+(decode, queue wait, encode per batch, mean batch size) from its own /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_images import photo_jpeg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Point:
+    server: str  # "featpool" or "naive"
+    concurrency: int
+    per_request: int  # images per request
+    multipart: bool
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    url: str
+    images: list[bytes]
+    conc: int
+    seconds: float
+    warmup: float
+    per_request: int
+    multipart: bool
+    seed: int
+
+
+def client_proc(job: ClientJob) -> dict[str, Any]:
+    return asyncio.run(_client(job))
+
+
+async def _client(job: ClientJob) -> dict[str, Any]:
+    url, images, conc, per_request, multipart = (job.url, job.images, job.conc,
+                                                  job.per_request, job.multipart)
+    lat: list[float] = []
+    status: dict[int, int] = {}
+    done_images = 0
+    t_start = time.perf_counter()
+    t_measure = t_start + job.warmup
+    t_end = t_measure + job.seconds
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(limits=limits, timeout=120.0) as http:
+
+        async def worker(w: int) -> None:
+            nonlocal done_images
+            i = job.seed * 1000 + w
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                if multipart:
+                    files = [("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
+                             for k in range(per_request)]
+                    r = await http.post(url, files=files)
+                else:
+                    r = await http.post(url, content=images[i % len(images)],
+                                        headers={"content-type": "image/jpeg"})
+                t1 = time.perf_counter()
+                i += per_request
+                if t0 >= t_measure and t1 <= t_end:
+                    status[r.status_code] = status.get(r.status_code, 0) + 1
+                    if r.status_code == 200:
+                        lat.append(t1 - t0)
+                        done_images += per_request
+
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+    return {"lat": lat, "status": status, "images": done_images}
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Sums and counts of the server's histograms, to split its time."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for name in ("decode_duration_seconds", "queue_wait_seconds", "encode_duration_seconds",
+                 "batch_size", "publish_duration_seconds"):
+        for kind in ("sum", "count"):
+            m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
+            out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    d = {k: b[k] - a.get(k, 0.0) for k in b}
+
+    def mean(name: str, scale: float = 1.0) -> float:
+        n = d[f"{name}_count"]
+        return d[f"{name}_sum"] / n * scale if n else float("nan")
+
+    return {"decode_ms": mean("decode_duration_seconds", 1e3),
+            "queue_ms": mean("queue_wait_seconds", 1e3),
+            "encode_ms_per_batch": mean("encode_duration_seconds", 1e3),
+            "publish_us": mean("publish_duration_seconds", 1e6),
+            "mean_batch": mean("batch_size"), "batches": d["batch_size_count"]}
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, extra: list[str], log: Path) -> None:
+        self.base = f"http://127.0.0.1:{args.port}"
+        self.transport = "?"
+        cmd = [sys.executable, "-m", "app", "--device", args.device, "--encoder", args.encoder,
+               "--port", str(args.port), "--socket-path", f"/tmp/featpool-bench-{args.port}.sock",
+               "--max-leases", "65536", "--pool-bytes", str(args.pool_bytes),
+               "--host-pool-bytes", str(args.pool_bytes), "--slab-bytes", str(512 << 20),
+               "--queue-size", "8192", "--max-images-per-request", "64",
+               "--lease-ttl-s", "2", "--log-level", "WARNING", *args.server_args, *extra]
+        self.cmd = cmd
+        self.log = log.open("w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.time() + args.start_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{self.base}/health/ready", timeout=2).status_code == 200:
+                    caps = httpx.get(f"{self.base}/v1/pool", timeout=5).json()["capabilities"]
+                    self.transport = str(caps.get("transport"))
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"server not ready after {args.start_timeout} s; see {log}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_point(args: argparse.Namespace, srv: Server, images: list[bytes], p: Point
+              ) -> dict[str, Any]:
+    procs = min(args.client_procs, p.concurrency)
+    per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0)
+           for i in range(procs)]
+    before = scrape(srv.base)
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
+        futs = [ex.submit(client_proc, ClientJob(f"{srv.base}/v1/encode", images, c,
+                                                 args.seconds, args.warmup, p.per_request,
+                                                 p.multipart, i))
+                for i, c in enumerate(per)]
+        parts = [f.result() for f in futs]
+    after = scrape(srv.base)
+    lat = np.array([x for part in parts for x in part["lat"]])
+    status: dict[str, int] = {}
+    for part in parts:
+        for k, v in part["status"].items():
+            status[str(k)] = status.get(str(k), 0) + v
+    n_img = sum(part["images"] for part in parts)
+    row = {"server": p.server, "concurrency": p.concurrency, "images_per_request":
+           p.per_request, "body": "multipart" if p.multipart else "raw",
+           "images_per_s": n_img / args.seconds, "requests": int(lat.size),
+           "p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else float("nan"),
+           "p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else float("nan"),
+           "status": status, **delta(before, after)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def parse_points(spec: str, server: str) -> list[Point]:
+    """'raw:1x16,raw:1x64,mp:8x32' -> points (body:images_per_request x concurrency)."""
+    out = []
+    for item in spec.split(","):
+        body, rest = item.split(":")
+        k, c = rest.split("x")
+        out.append(Point(server, int(c), int(k), body == "mp"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--encoder", default="vit-b16-224")
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--images", type=int, default=64, help="distinct JPEGs")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--height", type=int, default=768)
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
+    ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured time per point")
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--pool-bytes", type=int, default=4 << 30)
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--points", default="raw:1x16,raw:1x64,raw:1x256,mp:8x32",
+                    help="featpool points: body:images_per_request x concurrency")
+    ap.add_argument("--baseline-points", default="raw:1x16,raw:1x64")
+    ap.add_argument("--featpool-args", default="--max-batch-size 128 --max-batch-wait-ms 4 "
+                    "--decode-workers 8")
+    ap.add_argument("--baseline-args", default="--max-batch-size 1 --max-batch-wait-ms 0 "
+                    "--gpu-decode off --decode-workers 1")
+    ap.add_argument("--server-args", nargs="*", default=[], help="passed to both servers")
+    ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    t0 = time.time()
+    images = [photo_jpeg(i, args.width, args.height) for i in range(args.images)]
+    print(f"{len(images)} JPEGs {args.width}x{args.height}, mean "
+          f"{np.mean([len(i) for i in images]) / 1e3:.0f} KB, made in {time.time() - t0:.1f} s",
+          flush=True)
+    rows = []
+    for name, extra, spec in (("featpool", args.featpool_args, args.points),
+                              ("naive", args.baseline_args, args.baseline_points)):
+        srv = Server(args, extra.split(), args.logs / f"bench_server_{name}.log")
+        print(f"{name} (transport {srv.transport}): {' '.join(srv.cmd[1:])}", flush=True)
+        try:
+            rows += [run_point(args, srv, images, p) for p in parse_points(spec, name)]
+        finally:
+            srv.close()
+    best = {s: max((r["images_per_s"] for r in rows if r["server"] == s), default=0.0)
+            for s in ("featpool", "naive")}
+    print("\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
+          "decode ms | queue ms | encode ms/batch | non-200 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        bad = {k: v for k, v in r["status"].items() if k != "200"}
+        print(f"| {r['server']} | {r['body']} | {r['images_per_request']} | {r['concurrency']} "
+              f"| {r['images_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+              f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
+              f"{r['encode_ms_per_batch']:.1f} | {bad or '-'} |")
+    ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
+    print(f"\nbest featpool {best['featpool']:.0f} images/s, best naive {best['naive']:.0f} "
+          f"images/s, ratio {ratio:.1f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows, "best": best, "ratio": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The encode pipeline on a real GPU: the whole HTTP path with the real app (ViT-B/16, nvJPEG,
+bf16), GPU decode against Pillow, several images per request, bad JPEGs answered with a 400."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from safetensors.torch import load
+
+from app.gpu_decode import JpegDecoder, preprocess
+from app.imaging import decode, inspect
+from app.main import create_app
+from app.settings import Settings
+from tests.conftest import image_bytes, occupancy
+from tests.test_imaging import LIMITS, bogus_huffman, jpeg, photo
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA"),
+]
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    sock = tmp_path_factory.mktemp("sock") / "featpool.sock"
+    base = dict(device="cuda", encoder="vit-b16-224", socket_path=sock, pool_bytes=256 << 20,
+                host_pool_bytes=64 << 20, slab_bytes=64 << 20, max_batch_size=32,
+                max_batch_wait_ms=20.0, gpu_decode="on")
+    last: Exception | None = None
+    for transport in ("cuda_vmm", "host_shm"):
+        try:
+            c = TestClient(create_app(Settings(transport=transport, **base)))  # type: ignore[arg-type]
+            c.__enter__()
+        except Exception as e:  # the GPU pool may not start: say so, go on
+            last = e
+            print(f"transport {transport} did not start: {e!r}")
+            continue
+        print(f"pipeline GPU tests run with transport={transport}")
+        yield c
+        c.__exit__(None, None, None)
+        return
+    raise AssertionError(f"no transport started: {last}")
+
+
+def test_nvjpeg_decode_equals_pillow() -> None:
+    dev = torch.device("cuda")
+    dec = JpegDecoder.create(dev, "on")
+    assert dec is not None
+    datas = [jpeg(photo(1024, 768, s), quality=90) for s in range(3)]
+    outs = dec.decode([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas])
+    for d, out in zip(datas, outs, strict=True):
+        assert isinstance(out, torch.Tensor) and out.is_cuda and out.shape == (3, 768, 1024)
+        want = torch.from_numpy(np.asarray(Image.open(io.BytesIO(d)).convert("RGB")).copy())
+        diff = (out.permute(1, 2, 0).cpu().float() - want.float()).abs()
+        assert diff.mean() < 1.5 and diff.max() < 48, (diff.mean(), diff.max())
+        small = preprocess([out], [1], 224)[0].cpu()
+        ref = decode(d, 224, **LIMITS).float()
+        assert (small - ref).abs().mean() < 3.0
+
+
+def test_nvjpeg_refuses_only_the_bad_image() -> None:
+    dec = JpegDecoder(torch.device("cuda"))
+    good = jpeg(photo(256, 192))
+    bad = bogus_huffman(good)
+    assert inspect(bad, **LIMITS).gpu_jpeg
+    outs = dec.decode([torch.frombuffer(bytearray(x), dtype=torch.uint8)
+                       for x in (good, bad, good)])
+    assert isinstance(outs[0], torch.Tensor) and isinstance(outs[2], torch.Tensor)
+    print(f"nvJPEG on a bogus Huffman table: {type(outs[1]).__name__}")
+
+
+def test_http_path_many_images_per_request(client: TestClient) -> None:
+    imgs = [("a.jpg", jpeg(photo(1024, 768, 1), quality=90), "image/jpeg"),
+            ("b.jpg", jpeg(photo(640, 960, 2), orientation=6), "image/jpeg"),
+            ("c.png", image_bytes("PNG", size=(300, 200), mode="RGBA"), "image/png"),
+            ("d.jpg", image_bytes("JPEG", mode="CMYK"), "image/jpeg"),
+            ("e.jpg", image_bytes("JPEG", mode="L"), "image/jpeg")]
+    r = client.post("/v1/encode", files=[("image", i) for i in imgs])
+    assert r.status_code == 200, r.text
+    items = r.json()["items"]
+    assert len(items) == 5 and len({i["lease_id"] for i in items}) == 5
+    for item in items:
+        assert item["shape"] == [197, 768] and item["dtype"] == "bfloat16"
+        t = load(client.get(f"/v1/leases/{item['lease_id']}/tensor").content)["features"]
+        assert torch.isfinite(t.float()).all() and t.float().abs().sum() > 0
+    print("tiers:", sorted({i["tier"] for i in items}), "transport:", items[0]["transport"])
+    for item in items:
+        assert client.delete(f"/v1/leases/{item['lease_id']}").status_code == 204
+
+
+def test_options_on_gpu(client: TestClient) -> None:
+    data = jpeg(photo(512, 512, 3))
+    r = client.post("/v1/encode?pooled=true&dtype=float32", content=data,
+                    headers={"content-type": "image/jpeg"})
+    assert r.status_code == 200, r.text
+    item = r.json()["items"][0]
+    assert item["shape"] == [768] and item["dtype"] == "float32"
+    client.delete(f"/v1/leases/{item['lease_id']}")
+
+
+def test_gpu_decode_features_match_pillow_path(client: TestClient) -> None:
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    data = jpeg(photo(1024, 768, 4), orientation=8, quality=90)
+    headers = {"content-type": "image/jpeg"}
+    a = client.post("/v1/encode?dtype=float32", content=data, headers=headers).json()["items"][0]
+    jpeg_decoder, engine.jpeg = engine.jpeg, None
+    try:
+        b = client.post("/v1/encode?dtype=float32", content=data,
+                        headers=headers).json()["items"][0]
+    finally:
+        engine.jpeg = jpeg_decoder
+    fa, fb = (load(client.get(f"/v1/leases/{x['lease_id']}/tensor").content)["features"]
+              for x in (a, b))
+    cos = torch.nn.functional.cosine_similarity(fa.flatten(), fb.flatten(), dim=0)
+    print(f"cosine(GPU decode, Pillow decode) = {cos:.4f}")
+    assert cos > 0.98
+    for x in (a, b):
+        client.delete(f"/v1/leases/{x['lease_id']}")
+
+
+def test_bad_jpeg_is_a_400_and_fails_alone(client: TestClient) -> None:
+    good = jpeg(photo(800, 600, 5))
+    before = occupancy(client)
+    headers = {"content-type": "image/jpeg"}
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        futs = {name: ex.submit(client.post, "/v1/encode", content=body, headers=headers)
+                for name, body in (("bogus_huffman", bogus_huffman(good)),
+                                   ("truncated", good[: len(good) // 2]),
+                                   ("garbage", b"\xff\xd8\xff" + bytes(100)),
+                                   ("good", good))}
+        res = {k: f.result() for k, f in futs.items()}
+    assert res["good"].status_code == 200, res["good"].text
+    for name in ("bogus_huffman", "truncated", "garbage"):
+        assert res[name].status_code == 400, (name, res[name].text)
+        assert res[name].json()["error"]["type"] == "invalid_image"
+    client.delete(f"/v1/leases/{res['good'].json()['items'][0]['lease_id']}")
+    assert occupancy(client) == before
+    assert client.get("/health/live").status_code == 200
+
+
+def test_metrics_after_traffic(client: TestClient) -> None:
+    text = client.get("/metrics").text
+    assert 'featpool_images_total{outcome="encoded"}' in text
+    assert "featpool_batch_size_bucket" in text
+
+

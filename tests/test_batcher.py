@@ -1,0 +1,160 @@
+"""The dynamic batcher with a fake run_batch: size and wait limits, all-or-nothing admission
+(429), cancellation without leaks, failure isolation, order of results."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import pytest
+
+from app.batcher import Batcher, BatchStats
+from app.errors import ApiError
+
+
+class Fake:
+    """run_batch doubles each value; it can be held (to fill the queue) or made to fail."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.discarded: list[int] = []
+        self.stats: list[BatchStats] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.fail_on: set[int] = set()
+
+    def run(self, values: list[int]) -> Sequence[int | BaseException]:
+        self.started.set()
+        self.gate.wait(5)
+        self.batches.append(list(values))
+        if self.fail_on & set(values):
+            raise RuntimeError("boom")
+        return [v * 2 if v >= 0 else ValueError(f"bad {v}") for v in values]
+
+
+def run(body: Callable[[Batcher[int, int], Fake], Awaitable[None]], **kw: float) -> Fake:
+    fake = Fake()
+
+    async def main() -> None:
+        b: Batcher[int, int] = Batcher(
+            fake.run, max_batch_size=int(kw.get("max_batch_size", 4)),
+            max_wait_s=kw.get("max_wait_s", 0.05), queue_size=int(kw.get("queue_size", 16)),
+            discard=fake.discarded.append, on_batch=fake.stats.append)
+        b.start()
+        try:
+            await body(b, fake)
+        finally:
+            fake.gate.set()
+            await b.stop()
+
+    asyncio.run(main())
+    return fake
+
+
+def test_batch_closes_at_max_size_and_results_are_in_order() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        results = await asyncio.gather(b.submit(list(range(10))), b.submit([100, 101]))
+        assert results == [[v * 2 for v in range(10)], [200, 202]]
+
+    fake = run(body, max_batch_size=4, max_wait_s=10.0)  # only size can close these batches
+    assert [len(x) for x in fake.batches][:3] == [4, 4, 4]
+    assert sorted(v for x in fake.batches for v in x) == [*range(10), 100, 101]
+
+
+def test_batch_closes_at_max_wait() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        t0 = time.perf_counter()
+        assert await b.submit([1, 2]) == [2, 4]
+        waited = time.perf_counter() - t0
+        assert 0.04 <= waited < 1.0
+
+    fake = run(body, max_batch_size=64, max_wait_s=0.05)
+    assert fake.batches == [[1, 2]]
+    assert fake.stats[0].size == 2 and all(w >= 0.04 for w in fake.stats[0].queue_wait_s)
+
+
+def test_full_queue_turns_a_request_away_whole() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        fake.gate.clear()
+        first = asyncio.ensure_future(b.submit([0]))
+        await asyncio.to_thread(fake.started.wait, 5)  # the batch thread holds [0]
+        # the next batch is gathered while the first runs; then the queue fills
+        waiting = [asyncio.ensure_future(b.submit([1, 2, 3, 4]))]
+        await asyncio.sleep(0.1)
+        waiting += [asyncio.ensure_future(b.submit([5, 6, 7, 8])),
+                    asyncio.ensure_future(b.submit([9, 10, 11]))]
+        await asyncio.sleep(0)
+        assert b.depth == 7
+        with pytest.raises(ApiError) as e:
+            await b.submit([20, 21])  # 2 more would exceed 8: none of them is queued
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+        assert b.depth == 7
+        last = asyncio.ensure_future(b.submit([30]))  # exactly full is still admitted
+        await asyncio.sleep(0)
+        assert b.depth == 8
+        fake.gate.set()
+        assert await first == [0]
+        assert await last == [60]
+        await asyncio.gather(*waiting)
+
+    fake = run(body, max_batch_size=4, max_wait_s=0.01, queue_size=8)
+    assert all(20 not in x and 21 not in x for x in fake.batches)
+
+
+def test_cancelled_requests_are_skipped_and_their_results_discarded() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        fake.gate.clear()
+        running = asyncio.ensure_future(b.submit([1, 2]))
+        await asyncio.to_thread(fake.started.wait, 5)
+        queued = asyncio.ensure_future(b.submit([3, 4]))
+        await asyncio.sleep(0.05)
+        running.cancel()  # its batch is on the batch thread: results come back, are discarded
+        queued.cancel()  # not run yet: skipped
+        await asyncio.sleep(0)
+        fake.gate.set()
+        assert await b.submit([5]) == [10]
+
+    fake = run(body, max_batch_size=2, max_wait_s=0.01)
+    assert sorted(fake.discarded) == [2, 4]  # no result (lease) of a gone client is kept
+    assert all(3 not in x and 4 not in x for x in fake.batches)
+
+
+def test_one_failed_item_fails_its_request_and_discards_the_rest() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        bad, good = await asyncio.gather(b.submit([1, -1, 3]), b.submit([4]),
+                                         return_exceptions=True)
+        assert isinstance(bad, ValueError) and good == [8]
+
+    fake = run(body, max_batch_size=8, max_wait_s=0.02)
+    assert sorted(fake.discarded) == [2, 6]  # the failed request's good results are released
+
+
+def test_a_failed_batch_fails_only_its_items_and_the_next_succeeds() -> None:
+    async def body(b: Batcher[int, int], fake: Fake) -> None:
+        fake.fail_on = {7}
+        r1 = await asyncio.gather(b.submit([7]), b.submit([8]), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in r1)  # same batch: both failed
+        fake.fail_on = set()
+        assert await b.submit([9]) == [18]
+
+    fake = run(body, max_batch_size=8, max_wait_s=0.02)
+    assert fake.batches == [[7, 8], [9]]
+
+
+def test_submit_after_stop_is_not_ready() -> None:
+    async def main() -> None:
+        b: Batcher[int, int] = Batcher(lambda v: v, max_batch_size=2, max_wait_s=0.0,
+                                       queue_size=4)
+        with pytest.raises(ApiError) as e:
+            await b.submit([1])
+        assert e.value.status == 503
+        b.start()
+        assert await b.submit([1, 2, 3]) == [1, 2, 3]
+        await b.stop()
+        with pytest.raises(ApiError):
+            await b.submit([1])
+
+    asyncio.run(main())
