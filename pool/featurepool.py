@@ -174,8 +174,8 @@ class FeaturePool:
             )
         deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
         with self._lock:
+            reaped = False
             while True:
-                self._reap_locked()
                 # Why the first tier refused, counted once the tensor lands lower in the chain.
                 reason = "no_tier_for_device" if not candidates and self.tiers else None
                 for tier in candidates:
@@ -190,6 +190,12 @@ class FeaturePool:
                     if reason is not None:
                         self.fallbacks[(reason, tier.name)] += 1
                     return lease, tier
+                if not reaped and self._reap_locked():
+                    # Acks or deadlines freed room since the reaper's last pass: try again
+                    # before falling down the chain. (Counted failures above still stand.)
+                    reaped = True
+                    continue
+                reaped = True
                 if self.policy == "fallback":
                     lease = self._inline_locked(tensor, nbytes, ttl)
                     if reason is not None:
@@ -203,6 +209,7 @@ class FeaturePool:
                         f"(policy {self.policy}); retry later or release leases"
                     )
                 self._freed.wait(timeout=min(remaining, 0.01))
+                reaped = False
 
     def _lease_locked(self, tier: Tier, extent: Extent, tensor: torch.Tensor, nbytes: int,
                       ttl: float) -> Lease:
@@ -235,24 +242,34 @@ class FeaturePool:
 
     def get(self, lease_id: str) -> Lease:
         with self._lock:
-            self._reap_locked()
-            return self.leases.get(lease_id)
+            return self._live(lease_id)
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        ttl = self.clamp_ttl(ttl_s)
         with self._lock:
-            self._reap_locked()
-            return self.leases.renew(lease_id, self.clamp_ttl(ttl_s))
+            return self.leases.renew(self._live(lease_id).id, ttl)
 
     def release(self, lease_id: str) -> Lease:
         with self._lock:
-            self._reap_locked()
-            return self._end(self.leases.get(lease_id), reason="delete")
+            return self._end(self._live(lease_id), reason="delete")
+
+    def _live(self, lease_id: str) -> Lease:
+        """The lease, if it is live now: one past its deadline is expired on the spot (the
+        reaper may not have run yet) and raises LeaseExpired."""
+        lease = self.leases.get(lease_id)
+        if lease.deadline <= self.clock():
+            self.leases.expire(lease.id)
+            self._free_storage(lease)
+            self.expired[lease.tier] += 1
+            self._freed.notify_all()
+            self.leases.get(lease_id)  # raises LeaseExpired
+        return lease
 
     def read(self, lease_id: str) -> torch.Tensor:
         """A CPU copy of the lease's tensor. Raises StaleLease if the lease ended during the
         copy (its slot could have been overwritten halfway)."""
         with self._lock:
-            lease = self.leases.get(lease_id)
+            lease = self._live(lease_id)
             if lease.tier == INLINE:
                 return lease.inline  # type: ignore[no-any-return]
             assert lease.extent is not None
