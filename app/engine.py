@@ -110,10 +110,14 @@ class Engine:
                              compile=s.encoder_compile)
 
     def _welcome_extra(self) -> dict[str, Any]:
-        if self.device.type != "cuda":
-            return {}
-        return {"cuda": {"device_index": self.device.index or 0,
-                         "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)}}
+        """The GPU tier's device identity for consumers; FABRIC handles only when peers must
+        also present the socket token (the uid allowlist alone is not enough to hand out
+        handles that work from other nodes)."""
+        for tier in self.pool.tiers if self.pool else []:
+            info = getattr(tier.backend, "welcome_info", None)
+            if info is not None:
+                return info(include_fabric=self.settings.socket_token is not None)  # type: ignore[no-any-return]
+        return {}
 
     async def stop(self) -> None:
         self.ready = False

@@ -1,0 +1,142 @@
+"""Start-up decisions: which tiers, the errors that name the flag to change, and what the GPU
+tier tells consumers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.backends import build_backends, resolve_device, split_slabs
+from app.engine import Engine
+from app.metrics import Metrics
+from app.settings import Settings
+from pool.backends.host_shm import HostShmBackend
+from pool.errors import CudaUnavailable
+from pool.featurepool import FeaturePool
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU behaviour")
+
+
+@no_cuda
+def test_cuda_vmm_without_a_gpu_names_the_flag(tmp_path: Path) -> None:
+    s = Settings(transport="cuda_vmm", socket_path=tmp_path / "s")
+    with pytest.raises(CudaUnavailable, match=r"--transport cuda_vmm \(FEATPOOL_TRANSPORT\)"):
+        build_backends(s, torch.device("cpu"))
+
+
+@no_cuda
+def test_cuda_device_without_a_gpu_names_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(CudaUnavailable, match=r"--device cuda:1 \(FEATPOOL_DEVICE\)"):
+        resolve_device(Settings(device="cuda:1", socket_path=tmp_path / "s"))
+
+
+@no_cuda
+def test_auto_on_cpu_is_a_host_pool(tmp_path: Path) -> None:
+    s = Settings(host_pool_bytes=5 << 20, slab_bytes=2 << 20, socket_path=tmp_path / "s")
+    backends, caps = build_backends(s, resolve_device(s))
+    try:
+        assert [b.transport for b in backends] == ["host_shm"]
+        assert backends[0].slab_sizes == [2 << 20, 2 << 20, 2 << 20]  # 6 MiB: rounded up
+        assert (caps.transport, caps.cuda, caps.fabric) == ("host_shm", False, False)
+    finally:
+        for b in backends:
+            b.close()
+
+
+MiB = 1 << 20
+
+
+def test_split_slabs_rounds_to_granularity() -> None:
+    assert split_slabs(10 * MiB, 4 * MiB) == [4 * MiB, 4 * MiB, 2 * MiB]
+    assert split_slabs(1, 4 * MiB) == [2 * MiB]
+    assert split_slabs(8 * MiB, 3 * MiB) == [2 * MiB] * 4  # slab rounded down to 2 MiB
+
+
+class _GpuTierStub(HostShmBackend):
+    """A host tier that answers like the GPU tier does in the welcome message."""
+
+    tier = "gpu"
+
+    def welcome_info(self, *, include_fabric: bool = False) -> dict[str, Any]:
+        info: dict[str, Any] = {"device_index": 0, "fabric": {"available": True}}
+        if include_fabric:
+            info["fabric_handles"] = ["aGFuZGxl"]
+        return {"cuda": info}
+
+
+@pytest.mark.parametrize(("token", "handles"), [(None, False), ("t0ken", True)])
+def test_fabric_handles_only_go_to_token_holders(tmp_path: Path, token: str | None,
+                                                 handles: bool) -> None:
+    eng = Engine(Settings(socket_path=tmp_path / "s", socket_token=token), Metrics())
+    eng.pool = FeaturePool([_GpuTierStub([2 << 20])])
+    try:
+        welcome = eng._welcome_extra()
+        assert welcome["cuda"]["device_index"] == 0
+        assert ("fabric_handles" in welcome["cuda"]) is handles
+    finally:
+        eng.pool.close()
+
+
+def test_no_gpu_tier_means_no_cuda_section(tmp_path: Path) -> None:
+    eng = Engine(Settings(socket_path=tmp_path / "s"), Metrics())
+    eng.pool = FeaturePool([HostShmBackend([2 << 20])])
+    try:
+        assert eng._welcome_extra() == {}
+    finally:
+        eng.pool.close()
+
+
+class _Status:
+    available = False
+    reason = "FABRIC handles unavailable: no IMEX channel"
+
+
+def test_gpu_tier_without_fabric_counts_a_fallback(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from pool.backends import cuda_vmm
+
+    made: list[dict[str, Any]] = []
+
+    def create(device_index: int, **kw: Any) -> _GpuTierStub:
+        made.append({"device_index": device_index, **kw})
+        stub = _GpuTierStub([2 << 20])
+        stub.fabric_status = _Status()  # type: ignore[attr-defined]
+        return stub
+
+    monkeypatch.setattr(cuda_vmm.CudaVmmBackend, "create", staticmethod(create))
+    s = Settings(socket_path=tmp_path / "s", pool_bytes=64 << 20, host_pool_bytes=2 << 20)
+    backends, caps = build_backends(s, torch.device("cuda:0"))
+    try:
+        assert made == [{"device_index": 0, "pool_bytes": 64 << 20,
+                         "slab_bytes": s.slab_bytes, "fabric": "auto"}]
+        assert [b.tier for b in backends] == ["gpu", "host"]
+        assert caps.transport == "cuda_vmm" and caps.fabric is False
+        assert caps.fabric_reason.startswith("FABRIC handles unavailable")
+        assert caps.startup_fallbacks == [("fabric_unavailable", "gpu")]
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_auto_falls_back_to_host_when_the_gpu_pool_cannot_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pool.backends import cuda_vmm
+
+    def create(device_index: int, **kw: Any) -> None:
+        raise CudaUnavailable("no NVIDIA driver found")
+
+    monkeypatch.setattr(cuda_vmm.CudaVmmBackend, "create", staticmethod(create))
+    s = Settings(socket_path=tmp_path / "s", host_pool_bytes=2 << 20)
+    backends, caps = build_backends(s, torch.device("cuda:0"))
+    try:
+        assert [b.tier for b in backends] == ["host"]
+        assert caps.startup_fallbacks == [("no_cuda", "host")]
+    finally:
+        for b in backends:
+            b.close()
+    with pytest.raises(CudaUnavailable, match="--transport cuda_vmm"):
+        build_backends(Settings(socket_path=tmp_path / "s", transport="cuda_vmm"),
+                       torch.device("cuda:0"))
