@@ -91,9 +91,14 @@ class Engine:
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        if s.encoder_compile and self.device.type == "cuda" and self._encoder is None:
-            # A compiled graph per batch size: pad batches up to powers of two, so that a
-            # handful of sizes is compiled once, here, and never while serving.
+        graphs = (s.encoder_cuda_graphs and not s.encoder_compile
+                  and hasattr(encoder, "enable_cuda_graphs") and self.device.type == "cuda")
+        if graphs:
+            encoder.enable_cuda_graphs()  # type: ignore[attr-defined]
+        if (s.encoder_compile or graphs) and self.device.type == "cuda" and (
+                self._encoder is None or graphs):
+            # A compiled graph or a captured CUDA graph per batch size: pad batches up to powers
+            # of two, so that a handful of sizes is prepared once, here, and never while serving.
             self._buckets = sorted({min(1 << k, s.max_batch_size)
                                     for k in range(s.max_batch_size.bit_length() + 1)})
         await asyncio.to_thread(encoder.warmup, self._buckets or [1, s.max_batch_size])

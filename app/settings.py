@@ -64,6 +64,8 @@ class Settings(BaseSettings):
         "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU")
     encoder_compile: bool = Field(
         False, description="torch.compile the encoder on CUDA (a few % faster, slower start)")
+    encoder_cuda_graphs: bool = Field(
+        True, description="replay a captured CUDA graph per padded batch size (CUDA only)")
     gpu_decode: Literal["auto", "on", "off"] = Field(
         "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never")
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -61,6 +61,16 @@ class ModuleEncoder:
     device: torch.device
     module: nn.Module
     _forward: Callable[[torch.Tensor], torch.Tensor]
+    # batch size -> (graph, static input, static output); None: run eagerly
+    _graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] | None = None
+    _graph_pool: Any = None  # the memory pool the captured graphs share
+
+    def enable_cuda_graphs(self) -> None:
+        """Capture one CUDA graph per batch size that warmup() is given, and replay it for
+        batches of exactly that size. A forward is then one launch instead of hundreds, so a
+        busy Python process (HTTP parsing on other threads) no longer starves the GPU."""
+        if self.device.type == "cuda":
+            self._graphs = {}
 
     def _maybe_compile(self, compile: bool) -> None:
         if not compile:
@@ -88,7 +98,14 @@ class ModuleEncoder:
             )
         if not pixels.is_floating_point():
             raise TypeError(f"encoder {self.name} expects normalised floats, got {pixels.dtype}")
+        graph = self._graphs.get(pixels.shape[0]) if self._graphs else None
         with torch.inference_mode():
+            if graph is not None:
+                g, static_in, static_out = graph
+                static_in.copy_(pixels)
+                g.replay()
+                # A copy: the static output is overwritten by the next replay.
+                return static_out.clone()
             out = self._forward(pixels.to(self.dtype))
             return out.to(self.dtype)
 
@@ -96,5 +113,30 @@ class ModuleEncoder:
         s = self.image_size
         for b in batch_sizes:
             self.encode(torch.zeros(b, 3, s, s, device=self.device, dtype=self.dtype))
+        if self._graphs is not None:
+            # Largest first: the smaller graphs then fit in the memory pool it leaves.
+            for b in sorted(set(batch_sizes), reverse=True):
+                try:
+                    self._capture(b)
+                except RuntimeError as e:  # e.g. a model with a host sync in its forward
+                    log.warning("encoder %s: CUDA graph capture failed (%s); running eagerly",
+                                self.name, e)
+                    self._graphs = None
+                    break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _capture(self, batch: int) -> None:
+        assert self._graphs is not None
+        s = self.image_size
+        static_in = torch.zeros(batch, 3, s, s, device=self.device, dtype=self.dtype)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            self._forward(static_in)  # warm the side stream's allocator state before capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+            static_out = self._forward(static_in).to(self.dtype)
+        self._graph_pool = graph.pool()
+        self._graphs[batch] = (graph, static_in, static_out)
