@@ -1,8 +1,12 @@
-"""Pure-ASGI middleware: request IDs, request metrics, and the body-size limit (enforced while
-the body streams in, so a chunked upload cannot get past it either)."""
+"""Pure-ASGI middleware: request IDs, request metrics, the body-size limit (enforced while
+the body streams in, so a chunked upload cannot get past it either), and hang-up detection: a
+client that disconnects after sending its body but before the answer starts has its handler
+cancelled, so that work queued for it is dropped and leases made for it are released at once
+instead of living until their TTL."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -61,14 +65,26 @@ class ServiceMiddleware:
             await send(message)
 
         received = 0
+        handler = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        hung_up = False
+
+        async def watch_for_hang_up() -> None:
+            nonlocal hung_up
+            message = await receive()  # after the body, the server only says "disconnect"
+            if message["type"] == "http.disconnect" and not response_started and handler:
+                hung_up = True
+                handler.cancel()
 
         async def receive_wrapper() -> Message:
-            nonlocal received
+            nonlocal received, watcher
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise _BodyTooLargeError
+                if not message.get("more_body", False) and watcher is None:
+                    watcher = asyncio.get_running_loop().create_task(watch_for_hang_up())
             return message
 
         try:
@@ -76,6 +92,11 @@ class ServiceMiddleware:
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
                 raise _BodyTooLargeError
             await self.app(scope, receive_wrapper, send_wrapper)
+        except asyncio.CancelledError:
+            if not hung_up or handler is None:
+                raise
+            handler.uncancel()
+            status = 499  # nginx's "client closed request": nobody is left to answer
         except _BodyTooLargeError:
             if response_started:
                 raise
@@ -85,6 +106,8 @@ class ServiceMiddleware:
                 "type": "payload_too_large",
                 "message": f"request body exceeds {self.max_body_bytes} bytes"}})
         finally:
+            if watcher is not None:
+                watcher.cancel()
             elapsed = time.perf_counter() - started
             self.metrics.requests.labels(endpoint, f"{status // 100}xx").inc()
             self.metrics.request_seconds.labels(endpoint).observe(elapsed)
