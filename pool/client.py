@@ -110,7 +110,10 @@ class FeatureClient:
             hello: dict[str, Any] = {"op": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid()}
             if self.token is not None:
                 hello["token"] = self.token
-            send_msg(sock, hello)
+            try:
+                send_msg(sock, hello)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a server that refuses the peer may close first: its answer is still queued
             msg, fds = recv_msg(sock, want_fds=True)
         except BaseException:
             sock.close()

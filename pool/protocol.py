@@ -55,6 +55,8 @@ def recv_msg(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str, 
             msg = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise HandoffError(f"frame is not JSON: {e}") from None
+        except RecursionError:  # "[[[[..." a megabyte deep
+            raise HandoffError("frame is nested too deeply") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
             raise HandoffError("a message must be a JSON object with a string 'op'")
         return msg, fds

@@ -140,15 +140,17 @@ class HandoffServer:
                                       f"protocol version {msg.get('version')!r} unsupported; "
                                       f"this server speaks {PROTOCOL_VERSION}"))
                 return
-            if self.token and not hmac.compare_digest(str(msg.get("token", "")), self.token):
+            # Compared as bytes: compare_digest refuses non-ASCII str (a peer could send one).
+            given = str(msg.get("token", "")).encode()
+            if self.token and not hmac.compare_digest(given, self.token.encode()):
                 log.warning("hand-off peer pid %d uid %d: bad token", pid, uid)
                 send_msg(conn, _error("peer_rejected", "bad or missing token"))
                 return
             welcome, fds = self._welcome()
-            send_msg(conn, welcome, fds)
-            attached = True
-            with self._lock:
+            with self._lock:  # counted before the welcome, so a client that has it is counted
                 self.pool.consumers_attached += 1
+            attached = True
+            send_msg(conn, welcome, fds)
             log.info("consumer pid %d uid %d attached", pid, uid)
             while True:
                 msg, _ = recv_msg(conn)
@@ -163,6 +165,8 @@ class HandoffServer:
         except OSError as e:
             if not self._closing:
                 log.info("hand-off connection ended: %s", e)
+        except Exception:  # a bug must end this connection only, and say so in the log
+            log.exception("hand-off connection failed")
         finally:
             if attached:
                 with self._lock:
