@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from safetensors.torch import save
@@ -149,7 +149,8 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
                     headers={"Content-Disposition": disposition})
 
 
-@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut, responses={404: {}, 410: {}})
+@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut,
+         responses={400: {}, 404: {}, 410: {}})
 async def renew_lease(request: Request, lease_id: str, body: RenewIn | None = None
                       ) -> dict[str, Any]:
     p = pool(request)
@@ -190,7 +191,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready"})
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain
 async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
