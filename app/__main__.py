@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValidationError as e:
         sys.exit(f"featpool: invalid settings:\n{e}")
     logs.setup(settings.log_level, settings.log_json)
+    # The batch thread launches GPU work and publishes leases while the event loop parses HTTP.
+    # A thread that gave up the GIL (in a CUDA driver call, say) waits up to the switch interval
+    # to get it back from a busy thread: 5 ms by default, longer than a whole batch's forward.
+    sys.setswitchinterval(0.0005)
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
                 access_log=False, timeout_graceful_shutdown=10)

@@ -259,19 +259,27 @@ class Engine:
         except RuntimeError as e:
             self._check_cuda(e, "the encoder")
             return [e] * len(jobs)
+        # Publish per TTL (jobs of one request share theirs): one put_many each, so the GPU
+        # tier copies the whole group with one launch.
+        groups: dict[float | None, list[tuple[int, torch.Tensor]]] = {}
         for row, i in enumerate(ok):
             job = jobs[i]
+            f = pooled[row] if job.pooled and pooled is not None else feats[row]
+            groups.setdefault(job.ttl_s, []).append((i, f.to(job.dtype or self.encoder.dtype)))
+        for ttl, members in groups.items():
             t0 = time.perf_counter()
             try:
-                f = pooled[row] if job.pooled and pooled is not None else feats[row]
-                f = f.to(job.dtype or self.encoder.dtype)
-                results[i] = self.pool.put(f, job.ttl_s)
-            except (PoolError, ValueError) as e:
-                results[i] = e
+                placed: list[Lease | BaseException] = list(
+                    self.pool.put_many([f for _, f in members], ttl))
+            except ValueError as e:
+                placed = [e] * len(members)
             except RuntimeError as e:  # the batch's other leases stay valid and are returned
                 self._check_cuda(e, "publishing")
-                results[i] = e
-            self.metrics.publish_seconds.observe(time.perf_counter() - t0)
+                placed = [e] * len(members)
+            per_lease = (time.perf_counter() - t0) / len(members)
+            for (i, _), result in zip(members, placed, strict=True):
+                results[i] = result
+                self.metrics.publish_seconds.observe(per_lease)
         return results
 
     def _check_cuda(self, e: BaseException, where: str) -> None:

@@ -24,7 +24,7 @@ import torch
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
-from pool.errors import InvalidTensor, PoolExhausted, StaleLease, TensorTooLarge
+from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
 from pool.leases import Lease, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
@@ -129,27 +129,59 @@ class FeaturePool:
         On the GPU tier the copy is stream-ordered: this returns before the copy finishes, and
         consumers wait on the ready word. Raises PoolExhausted, TensorTooLarge, InvalidTensor.
         """
-        if tensor.numel() == 0:
-            raise InvalidTensor("cannot publish an empty tensor")
-        if tensor.is_complex() or tensor.dtype == torch.bool:
-            raise InvalidTensor(f"unsupported dtype {tensor.dtype}")
+        result = self.put_many([tensor], ttl_s)[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def put_many(self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
+                 ) -> list[Lease | PoolError]:
+        """``put`` for a batch: one result per tensor, a lease or the error that tensor met.
+
+        A backend with ``publish_many`` publishes the whole batch in one go (on the GPU: one
+        copy launch for every tensor), which keeps host time per lease low when the Python
+        process is busy with other threads. A bad TTL raises ValueError for all.
+        """
         ttl = self.clamp_ttl(ttl_s)
-        tensor = tensor.detach().contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        lease, tier = self._reserve(tensor, nbytes, ttl)
-        try:
+        results: list[Lease | PoolError | None] = [None] * len(tensors)
+        placed: dict[int, list[tuple[int, Lease, torch.Tensor]]] = {}  # by tier index
+        for i, given in enumerate(tensors):
+            try:
+                if given.numel() == 0:
+                    raise InvalidTensor("cannot publish an empty tensor")
+                if given.is_complex() or given.dtype == torch.bool:
+                    raise InvalidTensor(f"unsupported dtype {given.dtype}")
+                tensor = given.detach().contiguous()
+                lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
+            except PoolError as e:
+                results[i] = e
+                continue
+            results[i] = lease
             if tier is not None:
-                assert lease.extent is not None
-                tier.backend.publish(lease.extent, tensor, self.ctrl, lease.slot, lease.generation)
-        except BaseException:
-            with self._lock:
-                if self.leases.by_slot(lease.slot) is lease:
-                    self._end(lease, reason=None)
-            raise
+                placed.setdefault(self.tiers.index(tier), []).append((i, lease, tensor))
+        for t, items in placed.items():
+            backend = self.tiers[t].backend
+            try:
+                publish_many = getattr(backend, "publish_many", None)
+                if publish_many is not None:
+                    publish_many([(lease.extent, tensor, lease.slot, lease.generation)
+                                  for _, lease, tensor in items], self.ctrl)
+                else:
+                    for _, lease, tensor in items:
+                        assert lease.extent is not None
+                        backend.publish(lease.extent, tensor, self.ctrl, lease.slot,
+                                        lease.generation)
+            except BaseException:
+                with self._lock:
+                    for lease in (r for r in results if isinstance(r, Lease)):
+                        if self.leases.by_slot(lease.slot) is lease:
+                            self._end(lease, reason=None)
+                raise
         with self._lock:
-            if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
-                self.leases.mark_ready(lease.id)
-        return lease
+            for lease in (r for r in results if isinstance(r, Lease)):
+                if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
+                    self.leases.mark_ready(lease.id)
+        return [r for r in results if r is not None]
 
     def _candidates(self, tensor: torch.Tensor) -> list[Tier]:
         tiers = self.tiers
@@ -175,6 +207,9 @@ class FeaturePool:
         deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
         with self._lock:
             reaped = False
+            if len(self.leases) >= self.leases.max_slots:  # acked slots may be waiting
+                self._reap_locked()
+                reaped = True
             while True:
                 # Why the first tier refused, counted once the tensor lands lower in the chain.
                 reason = "no_tier_for_device" if not candidates and self.tiers else None
@@ -257,6 +292,9 @@ class FeaturePool:
         """The lease, if it is live now: one past its deadline is expired on the spot (the
         reaper may not have run yet) and raises LeaseExpired."""
         lease = self.leases.get(lease_id)
+        if lease.state is LeaseState.READY and self.ctrl.ack(lease.slot) == lease.generation:
+            self._end(lease, reason="ack")  # acked, the reaper has not run yet
+            self.leases.get(lease_id)  # raises LeaseReleased
         if lease.deadline <= self.clock():
             self.leases.expire(lease.id)
             self._free_storage(lease)

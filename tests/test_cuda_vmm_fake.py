@@ -527,3 +527,29 @@ def test_consumer_maps_read_only_waits_and_acks(monkeypatch: pytest.MonkeyPatch,
         server.close()
         pool.close()
     assert_nothing_left(drv)
+
+
+def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
+    be, drv = make()
+    pool = FeaturePool([be], max_leases=16)
+    try:
+        ts = [torch.full((7, 9), float(i)) for i in range(6)]
+        seen: list[bool] = []
+
+        def all_bytes_in_place() -> None:  # every tensor is copied before any ready write
+            seen.append(all(torch.equal(pool.read(lease.id), t)
+                            for lease, t in zip(pool.leases, ts, strict=True)))
+
+        drv.on_write.append(all_bytes_in_place)
+        n0 = len(drv.calls)
+        leases = pool.put_many(ts)
+        published = [c[0] for c in drv.calls[n0:]]
+        assert published == ["stream_write_value32"] * 6  # one copy launch, through torch
+        assert seen == [True] * 6
+        for lease, t in zip(leases, ts, strict=True):
+            assert not isinstance(lease, BaseException)
+            assert pool.ctrl.ready(lease.slot) == lease.generation
+            assert torch.equal(pool.read(lease.id), t)
+    finally:
+        pool.close()
+    assert_nothing_left(drv)

@@ -135,3 +135,28 @@ def test_ttl_is_clamped_to_the_maximum() -> None:
     p = make_pool([MiB], max_ttl_s=30)
     assert p.put(torch.ones(1), ttl_s=1e9).ttl_s == 30
     p.close()
+
+
+def test_put_many_returns_a_result_per_tensor() -> None:
+    p = make_pool([4096], inline_max_bytes=4096)
+    results = p.put_many([torch.ones(768), torch.zeros(0), torch.ones(768), torch.ones(2048)])
+    first, empty, spilled, refused = results
+    assert not isinstance(first, BaseException) and first.tier == "host"
+    assert isinstance(empty, InvalidTensor)
+    assert not isinstance(spilled, BaseException) and spilled.tier == "inline"
+    assert isinstance(refused, PoolExhausted)  # host full, inline bound reached
+    assert p.stats()["leases_active"] == 2
+    assert torch.equal(p.read(first.id), torch.ones(768))
+    p.close()
+
+
+def test_full_slots_of_acked_leases_are_reused() -> None:
+    p = make_pool([MiB], max_leases=2)
+    a, b = p.put(torch.ones(4)), p.put(torch.ones(4))
+    p.ctrl.set_ack(a.slot, a.generation)  # acked; the reaper has not run
+    c = p.put(torch.zeros(4))  # no free slot until the ack is reaped
+    assert c.slot == a.slot and c.generation == a.generation + 1
+    p.ctrl.set_ack(b.slot, b.generation)
+    with pytest.raises(LeaseReleased):  # an acked lease is gone even before the reaper runs
+        p.get(b.id)
+    p.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -294,6 +295,28 @@ class CudaVmmBackend:
         # Same stream, after the copy: the write is ordered behind it (with a memory barrier).
         word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
         self.driver.stream_write_value32(stream, word, gen)
+
+    def publish_many(self, items: Sequence[tuple[Extent, torch.Tensor, int, int]],
+                     ctrl: ControlBlock) -> None:
+        """``publish`` for a batch: one multi-tensor copy launch for every tensor, then each
+        slot's ready word (fenced, as in ``publish``) on the same stream. On a busy process
+        each driver call can wait for the GIL; this makes one launch of the B copies."""
+        if len(items) < 4:  # too few to be worth a multi-tensor launch
+            for extent, tensor, slot, gen in items:
+                self.publish(extent, tensor, ctrl, slot, gen)
+            return
+        for _, tensor, _, _ in items:
+            if tensor.device != self.device:
+                raise InvalidTensor(f"a {tensor.device} tensor was given to the GPU pool on "
+                                    f"{self.device}: move it there first")
+        if self._ctrl is not ctrl:
+            self.bind_control(ctrl)
+        dsts = [self.view(e, t.dtype, tuple(t.shape)) for e, t, _, _ in items]
+        torch._foreach_copy_(dsts, [t for _, t, _, _ in items])
+        stream = self.rt.current_stream()
+        for _, _, slot, gen in items:
+            word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
+            self.driver.stream_write_value32(stream, word, gen)
 
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         base = self._slabs[extent.slab].base
