@@ -80,8 +80,19 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 ops = APIRouter()
 
 
+# The route reads its body itself (it streams and limits it), so FastAPI cannot describe it.
+ENCODE_BODY = {"requestBody": {"required": True, "content": {
+    "multipart/form-data": {"schema": {
+        "type": "object", "required": ["image"],
+        "properties": {"image": {"type": "array", "minItems": 1,
+                                 "items": {"type": "string", "format": "binary"}}}}},
+    **{ct: {"schema": {"type": "string", "format": "binary"}}
+       for ct in ("image/jpeg", "image/png", "image/webp", "application/octet-stream")},
+}}}
+
+
 @v1.post("/encode", response_model=EncodeOut,
-         summary="Encode images into pooled features",
+         summary="Encode images into pooled features", openapi_extra=ENCODE_BODY,
          responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}})
 async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False,
                  dtype: DtypeQuery = None) -> dict[str, Any]:
