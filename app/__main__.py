@@ -3,6 +3,8 @@ variable (``FEATPOOL_POOL_BYTES``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import uvicorn
@@ -10,6 +12,8 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 
 from app import logs
+from app.front import settings_env
+from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings
 
@@ -18,6 +22,16 @@ class CliSettings(Settings):
     model_config = SettingsConfigDict(env_prefix="FEATPOOL_", extra="forbid",
                                       cli_kebab_case=True, cli_prog_name="featpool",
                                       cli_implicit_flags=True)
+
+
+def _die_with_parent() -> None:
+    """In the front process, before exec: get SIGTERM when the GPU process ends, however it
+    ends (uvicorn re-raises SIGTERM after its shutdown, so no `finally` of ours runs then)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +45,26 @@ def main(argv: list[str] | None = None) -> None:
     # to get it back from a busy thread: 5 ms by default, longer than a whole batch's forward.
     sys.setswitchinterval(0.0005)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                access_log=False, timeout_graceful_shutdown=10)
+    if settings.http_workers == 0:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
+                    access_log=False, timeout_graceful_shutdown=10)
+        return
+    # Front processes own the public port; this (GPU) process serves them on Unix sockets.
+    _, core_http = channel_paths(settings.socket_path)
+    core_http.parent.mkdir(parents=True, exist_ok=True)
+    front = subprocess.Popen([sys.executable, "-m", "app.front"],
+                             env={**os.environ, **settings_env(settings)},
+                             # Before uvicorn starts any thread of ours: safe to fork here.
+                             preexec_fn=_die_with_parent)  # noqa: PLW1509
+    try:
+        uvicorn.run(app, uds=str(core_http), log_config=None, access_log=False,
+                    timeout_graceful_shutdown=10)
+    finally:
+        front.terminate()
+        try:
+            front.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            front.kill()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ class _Item(Generic[T, R]):
     value: T
     future: asyncio.Future[R]
     enqueued: float = field(default_factory=time.perf_counter)
+    # Set while its batch runs, then done: a failed request waits for its running items, so
+    # that when it answers, what they made has already been discarded.
+    running: asyncio.Event | None = None
 
 
 @dataclass
@@ -102,12 +105,16 @@ class Batcher(Generic[T, R]):
             self._queue.put_nowait(item)
         try:
             return list(await asyncio.gather(*(i.future for i in items)))
-        except BaseException:
+        except BaseException as e:
             for i in items:  # our other items: drop them if still queued, discard if done
                 if not i.future.done():
                     i.future.cancel()
                 elif not i.future.cancelled() and i.future.exception() is None:
                     self._discard(i.future.result())
+            if not isinstance(e, asyncio.CancelledError):
+                running = [i.running.wait() for i in items if i.running is not None]
+                if running:  # their results are discarded as their batch ends
+                    await asyncio.gather(*running)
             raise
 
     async def _loop(self) -> None:
@@ -149,6 +156,16 @@ class Batcher(Generic[T, R]):
         # Looked at when the batch thread is free, so a request cancelled while its batch
         # waited for the previous one is skipped, not run.
         live = [i for i in batch if not i.future.done()]
+        for i in live:
+            i.running = asyncio.Event()
+        try:
+            await self._run_items(batch, live)
+        finally:
+            for i in live:
+                assert i.running is not None
+                i.running.set()
+
+    async def _run_items(self, batch: list[_Item[T, R]], live: list[_Item[T, R]]) -> None:
         if not live:
             self._on_batch(BatchStats(0, [], 0.0, len(batch)))
             return

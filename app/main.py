@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import platform
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -15,10 +16,12 @@ from fastapi import FastAPI
 from app import errors
 from app.encoders.base import Encoder
 from app.engine import Engine
+from app.jobs import JobServer, channel_paths
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
-from app.routes import ops, v1
+from app.routes import encode_router, ops, v1
 from app.settings import Settings
+from pool.errors import PoolError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,24 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
     metrics = Metrics()
     engine = Engine(settings, metrics, encoder)
 
+    async def encode_images(images: Sequence[tuple[str, bytes]], ttl_s: float | None,
+                            pooled: bool, dtype: str | None) -> dict[str, Any]:
+        leases = await engine.encode(images, ttl_s, pooled=pooled,
+                                     dtype=getattr(torch, dtype) if dtype else None)
+        assert engine.pool is not None
+        return {"items": [engine.pool.describe(lease) for lease in leases]}
+
+    def release_quietly(lease_id: str) -> None:
+        try:
+            if engine.pool is not None:
+                engine.pool.release(lease_id)
+        except PoolError:
+            pass
+
+    # With --http-workers, front processes send encode jobs over this channel.
+    jobs = (JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly,
+                      metrics) if settings.http_workers > 0 else None)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -46,10 +67,14 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
         metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
         metrics.queue_depth.set_function(
             lambda: float(engine.batcher.depth if engine.batcher else 0))
+        if jobs is not None:
+            await jobs.start()
         log_startup(settings, engine)
         try:
             yield
         finally:
+            if jobs is not None:
+                await jobs.stop()
             await engine.stop()
 
     app = FastAPI(title="featpool", version=package_version(), lifespan=lifespan,
@@ -58,7 +83,9 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.encode_images = encode_images
     errors.install(app)
+    app.include_router(encode_router)
     app.include_router(v1)
     app.include_router(ops)
     app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)

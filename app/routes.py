@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 from typing import Annotated, Any, Literal
 
-import torch
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +17,7 @@ from starlette.formparsers import MultiPartException
 from app.engine import Engine
 from app.errors import ApiError
 from app.imaging import check_content_type
+from app.jobs import EncodeFn
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.featurepool import FeaturePool
@@ -76,6 +76,8 @@ PooledQuery = Annotated[bool, Query(
 DtypeQuery = Annotated[Literal["float32", "bfloat16", "float16"] | None, Query(
     description="dtype of the published features; default: the encoder's")]
 
+# The encode route on its own router: HTTP front processes serve it and proxy the rest.
+encode_router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 ops = APIRouter()
 
@@ -91,14 +93,13 @@ ENCODE_BODY = {"requestBody": {"required": True, "content": {
 }}}
 
 
-@v1.post("/encode", response_model=EncodeOut,
+@encode_router.post("/encode", response_model=EncodeOut,
          summary="Encode images into pooled features", openapi_extra=ENCODE_BODY,
          responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}})
 async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False,
                  dtype: DtypeQuery = None) -> dict[str, Any]:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
     image, in order."""
-    eng = engine(request)
     s: Settings = request.app.state.settings
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
@@ -107,10 +108,10 @@ async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery =
         check_content_type(ctype)
         data = await request.body()
         images = [("image", data)]
-    leases = await eng.encode(images, ttl_s, pooled=pooled,
-                              dtype=getattr(torch, dtype) if dtype else None)
-    p = pool(request)
-    return {"items": [p.describe(lease) for lease in leases]}
+    # The engine in this process, or the GPU process behind a front (app/front.py).
+    encode_images: EncodeFn = request.app.state.encode_images
+    return await encode_images(images, ttl_s, pooled, dtype)
+
 
 
 async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, bytes]]:

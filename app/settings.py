@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     # HTTP
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    http_workers: int = Field(
+        0, ge=0, le=64,
+        description="HTTP front processes that parse uploads and hand them to the GPU process; "
+                    "0 serves HTTP in the GPU process")
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'")
 

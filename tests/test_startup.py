@@ -140,3 +140,18 @@ def test_auto_falls_back_to_host_when_the_gpu_pool_cannot_start(
     with pytest.raises(CudaUnavailable, match="--transport cuda_vmm"):
         build_backends(Settings(socket_path=tmp_path / "s", transport="cuda_vmm"),
                        torch.device("cuda:0"))
+
+
+def test_settings_travel_to_front_processes_unchanged(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.front import settings_env
+
+    s = Settings(socket_path=tmp_path / "s", http_workers=3, api_key="k3y", max_batch_size=7,
+                 socket_allowed_uids=[0, 1000], fallback="reject", log_json=True)
+    for name in Settings.model_fields:
+        monkeypatch.delenv(f"FEATPOOL_{name.upper()}", raising=False)
+    for k, v in settings_env(s).items():
+        monkeypatch.setenv(k, v)
+    again = Settings()
+    assert again.model_dump() == s.model_dump()
+    assert again.api_key is not None and again.api_key.get_secret_value() == "k3y"

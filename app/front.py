@@ -1,0 +1,108 @@
+"""HTTP front processes (``--http-workers N``): each parses and checks uploads and sends the
+image bytes to the GPU process over the job channel (app/jobs.py); every other request is
+forwarded to the GPU process's own HTTP server on a Unix socket. One port, N processes: the
+GPU process's interpreter is left to batching, launching and publishing.
+
+Run by ``python -m app`` when ``--http-workers`` is above zero; not meant to be started alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request, Response
+
+from app import errors, logs
+from app.errors import STATUS, ApiError
+from app.jobs import JobClient, channel_paths
+from app.metrics import Metrics
+from app.middleware import ServiceMiddleware
+from app.routes import encode_router
+from app.settings import Settings
+
+# Hop-by-hop and length headers are the proxy's own business.
+_SKIP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length",
+         "content-encoding", "upgrade", "te", "trailer", "proxy-connection"}
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings as FEATPOOL_* variables, so a child process builds the same Settings."""
+    out = {}
+    for name, dumped in settings.model_dump(mode="json").items():
+        if dumped is None:
+            continue
+        field = getattr(settings, name)
+        value = field.get_secret_value() if hasattr(field, "get_secret_value") else dumped
+        out[f"FEATPOOL_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def create_front_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    jobs_path, core_http = channel_paths(settings.socket_path)
+    jobs = JobClient(jobs_path)
+    core = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(core_http)),
+                             base_url="http://featpool-gpu", timeout=60.0)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await jobs.close()
+            await core.aclose()
+
+    async def encode_images(images: Sequence[tuple[str, bytes]], ttl_s: float | None,
+                            pooled: bool, dtype: str | None) -> dict[str, Any]:
+        status, body, headers = await jobs.encode(images, ttl_s, pooled, dtype)
+        if status == 200:
+            return body
+        err = body.get("error", {})
+        kind = err.get("type") if err.get("type") in STATUS else "internal_error"
+        raise ApiError(kind, str(err.get("message", "")), headers=headers or None)
+
+    # The GPU process serves the OpenAPI document and the docs; forwarded like the rest.
+    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.metrics = Metrics()  # local only: scrape the GPU process's /metrics
+    app.state.encode_images = encode_images
+    errors.install(app)
+    app.include_router(encode_router)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
+                                            "OPTIONS"], include_in_schema=False)
+    async def forward(request: Request, path: str) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        try:
+            r = await core.request(request.method, "/" + path, params=request.query_params,
+                                   headers=headers, content=await request.body())
+        except httpx.TransportError as e:
+            raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
+        return Response(r.content, status_code=r.status_code,
+                        headers={k: v for k, v in r.headers.items()
+                                 if k.lower() not in _SKIP and k.lower() != "x-request-id"})
+
+    app.add_middleware(ServiceMiddleware, metrics=app.state.metrics,
+                       max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def main() -> None:
+    settings = Settings()
+    logs.setup(settings.log_level, settings.log_json)
+    uvicorn.run("app.front:create_front_app", factory=True, host=settings.host,
+                port=settings.port, workers=settings.http_workers, log_config=None,
+                access_log=False, timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    if os.environ.get("FEATPOOL_HTTP_WORKERS", "0") in ("", "0"):
+        sys.exit("app.front is started by 'python -m app --http-workers N'")
+    main()

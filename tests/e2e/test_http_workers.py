@@ -1,0 +1,125 @@
+"""``--http-workers N``: front processes on the public port, the GPU process behind them. The
+same API as one process, leases usable by consumers, errors unchanged, and nothing left running
+when the server stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import image_bytes
+from tests.e2e.test_server_and_consumer import CONSUMER, ROOT, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def children_of(pid: int) -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(d.name))
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        found |= kids
+        todo += kids
+    return found
+
+
+@pytest.fixture
+def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
+    port = free_port()
+    sock = tmp_path / "featpool.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu", "--encoder",
+         "tiny-test", "--http-workers", "2", "--socket-path", str(sock),
+         "--host-pool-bytes", "16777216", "--reap-interval-s", "0.01",
+         "--max-body-bytes", "200000"],
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read() if proc.stdout else "server exited")
+            try:
+                if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("not ready in 90 s")
+            time.sleep(0.2)
+        yield url, sock, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
+    url, sock, proc = fronted
+    assert len(descendants(proc.pid)) >= 3  # the front supervisor and its two workers
+    r = httpx.post(f"{url}/v1/encode", files=[
+        ("image", ("a.jpg", image_bytes("JPEG", size=(64, 48)), "image/jpeg")),
+        ("image", ("b.png", image_bytes("PNG", seed=2), "image/png"))])
+    assert r.status_code == 200, r.text
+    leases = r.json()["items"]
+    assert [x["shape"] for x in leases] == [[17, 64], [17, 64]]
+
+    # Errors keep their status and shape through the front.
+    bad = httpx.post(f"{url}/v1/encode", content=b"nope" * 10,
+                     headers={"content-type": "image/jpeg"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_image"
+    big = httpx.post(f"{url}/v1/encode", content=b"\xff" * 300_000,
+                     headers={"content-type": "image/jpeg"})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
+    assert httpx.get(f"{url}/v1/leases/nope").status_code == 404
+    assert "/v1/encode" in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+    # A consumer maps them through the hand-off socket as usual.
+    done = subprocess.run([sys.executable, "-c", CONSUMER, str(sock), json.dumps(leases)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/v1/pool").json()["leases_active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/v1/pool").json()["leases_active"] == 0
+    metrics = httpx.get(f"{url}/metrics").text  # the GPU process's own registry
+    assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="2xx"} 1.0' in metrics
+    assert 'featpool_leases_released_total{reason="ack"} 2.0' in metrics
+
+
+def test_stopping_the_server_stops_the_fronts(
+        fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
+    _, _, proc = fronted
+    fronts = descendants(proc.pid)
+    assert fronts
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    alive = fronts
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in fronts if Path(f"/proc/{p}").exists()
+                 and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]}
+        time.sleep(0.2)
+    assert not alive, f"front processes left running: {alive}"
