@@ -19,9 +19,13 @@ from app.settings import Settings
 
 
 class CliSettings(Settings):
-    model_config = SettingsConfigDict(env_prefix="FEATPOOL_", extra="forbid",
-                                      cli_kebab_case=True, cli_prog_name="featpool",
-                                      cli_implicit_flags=True)
+    model_config = SettingsConfigDict(
+        env_prefix="FEATPOOL_",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_prog_name="featpool",
+        cli_implicit_flags=True,
+    )
 
 
 def _die_with_parent() -> None:
@@ -46,19 +50,28 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(0.0005)
     app = create_app(settings)
     if settings.http_workers == 0:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                    access_log=False, timeout_graceful_shutdown=10)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+        )
         return
     # Front processes own the public port; this (GPU) process serves them on Unix sockets.
     _, core_http = channel_paths(settings.socket_path)
     core_http.parent.mkdir(parents=True, exist_ok=True)
-    front = subprocess.Popen([sys.executable, "-m", "app.front"],
-                             env={**os.environ, **settings_env(settings)},
-                             # Before uvicorn starts any thread of ours: safe to fork here.
-                             preexec_fn=_die_with_parent)  # noqa: PLW1509
+    front = subprocess.Popen(
+        [sys.executable, "-m", "app.front"],
+        env={**os.environ, **settings_env(settings)},
+        # Before uvicorn starts any thread of ours: safe to fork here.
+        preexec_fn=_die_with_parent,  # noqa: PLW1509
+    )
     try:
-        uvicorn.run(app, uds=str(core_http), log_config=None, access_log=False,
-                    timeout_graceful_shutdown=10)
+        uvicorn.run(
+            app, uds=str(core_http), log_config=None, access_log=False, timeout_graceful_shutdown=10
+        )
     finally:
         front.terminate()
         try:

@@ -37,7 +37,8 @@ def resolve_device(settings: Settings) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CudaUnavailable(
             f"--device {settings.device} (FEATPOOL_DEVICE) needs an NVIDIA GPU with CUDA, and "
-            f"torch sees none (torch {torch.__version__}); use --device cpu")
+            f"torch sees none (torch {torch.__version__}); use --device cpu"
+        )
     return device
 
 
@@ -57,25 +58,30 @@ def build_backends(settings: Settings, device: torch.device) -> tuple[list[Backe
     caps = Capabilities(device=str(device), transport="host_shm", cuda=device.type == "cuda")
     backends: list[Backend] = []
     want_gpu = settings.transport == "cuda_vmm" or (
-        settings.transport == "auto" and device.type == "cuda")
+        settings.transport == "auto" and device.type == "cuda"
+    )
     if want_gpu:
         if device.type != "cuda":
             raise CudaUnavailable(
                 "--transport cuda_vmm (FEATPOOL_TRANSPORT) needs an NVIDIA GPU with CUDA, but the "
                 f"device is {device} (torch.cuda.is_available() is "
-                f"{torch.cuda.is_available()}); use --transport host_shm")
+                f"{torch.cuda.is_available()}); use --transport host_shm"
+            )
         try:
             from pool.backends.cuda_vmm import CudaVmmBackend
 
             gpu = CudaVmmBackend.create(
                 device.index if device.index is not None else torch.cuda.current_device(),
-                pool_bytes=settings.pool_bytes, slab_bytes=settings.slab_bytes,
-                fabric=settings.fabric)
+                pool_bytes=settings.pool_bytes,
+                slab_bytes=settings.slab_bytes,
+                fabric=settings.fabric,
+            )
         except (CudaUnavailable, ImportError) as e:
             if settings.transport == "cuda_vmm":
                 raise CudaUnavailable(
                     f"--transport cuda_vmm (FEATPOOL_TRANSPORT) could not start: {e}; "
-                    f"use --transport host_shm") from e
+                    f"use --transport host_shm"
+                ) from e
             log.warning("GPU pool unavailable (%s); falling back to the host pool", e)
             caps.startup_fallbacks.append(("no_cuda", "host"))
         else:

@@ -96,9 +96,11 @@ class Batcher(Generic[T, R]):
         if self._task is None or self._task.done():
             raise ApiError("not_ready", "the encoder is not running")
         if self._queue.qsize() + len(values) > self.queue_size:
-            raise ApiError("queue_full",
-                           f"{self._queue.qsize()} images are queued (limit {self.queue_size})",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                "queue_full",
+                f"{self._queue.qsize()} images are queued (limit {self.queue_size})",
+                headers={"Retry-After": "1"},
+            )
         loop = asyncio.get_running_loop()
         items = [_Item[T, R](v, loop.create_future()) for v in values]
         for item in items:
@@ -174,7 +176,8 @@ class Batcher(Generic[T, R]):
         loop = asyncio.get_running_loop()
         try:
             results: Sequence[R | BaseException] = await loop.run_in_executor(
-                self._executor, self._run_batch, [i.value for i in live])
+                self._executor, self._run_batch, [i.value for i in live]
+            )
             if len(results) != len(live):
                 raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
         except Exception as e:
@@ -188,5 +191,6 @@ class Batcher(Generic[T, R]):
                 item.future.set_exception(result)
             else:
                 item.future.set_result(result)
-        self._on_batch(BatchStats(len(live), waits, time.perf_counter() - started,
-                                  len(batch) - len(live)))
+        self._on_batch(
+            BatchStats(len(live), waits, time.perf_counter() - started, len(batch) - len(live))
+        )

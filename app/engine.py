@@ -45,8 +45,9 @@ class Job:
 
 
 class Engine:
-    def __init__(self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None
-                 ) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self._encoder = encoder
@@ -57,8 +58,9 @@ class Engine:
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
-        self.decoder = ThreadPoolExecutor(settings.decode_workers,
-                                          thread_name_prefix="featpool-decode")
+        self.decoder = ThreadPoolExecutor(
+            settings.decode_workers, thread_name_prefix="featpool-decode"
+        )
         self.ready = False
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
@@ -71,18 +73,27 @@ class Engine:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
         backends, self.caps = build_backends(s, self.device)
-        self.pool = FeaturePool(backends, max_leases=s.max_leases, default_ttl_s=s.lease_ttl_s,
-                                max_ttl_s=s.max_lease_ttl_s, policy=s.fallback,
-                                wait_s=s.fallback_wait_s, inline_max_bytes=s.inline_max_bytes)
+        self.pool = FeaturePool(
+            backends,
+            max_leases=s.max_leases,
+            default_ttl_s=s.lease_ttl_s,
+            max_ttl_s=s.max_lease_ttl_s,
+            policy=s.fallback,
+            wait_s=s.fallback_wait_s,
+            inline_max_bytes=s.inline_max_bytes,
+        )
         for reason, tier in self.caps.startup_fallbacks:
             self.pool.fallbacks[(reason, tier)] += 1
         self.pool.start_reaper(s.reap_interval_s)
         self.metrics.watch_pool(self.pool.stats)
         self.server = HandoffServer(
-            self.pool, s.socket_path, allowed_uids=s.socket_allowed_uids,
+            self.pool,
+            s.socket_path,
+            allowed_uids=s.socket_allowed_uids,
             allowed_gids=s.socket_allowed_gids,
             token=s.socket_token.get_secret_value() if s.socket_token else None,
-            extra_welcome=self._welcome_extra)
+            extra_welcome=self._welcome_extra,
+        )
         self.server.start()
         encoder = self._encoder
         if encoder is None:
@@ -91,28 +102,46 @@ class Engine:
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        graphs = (s.encoder_cuda_graphs and not s.encoder_compile
-                  and hasattr(encoder, "enable_cuda_graphs") and self.device.type == "cuda")
+        graphs = (
+            s.encoder_cuda_graphs
+            and not s.encoder_compile
+            and hasattr(encoder, "enable_cuda_graphs")
+            and self.device.type == "cuda"
+        )
         if graphs:
             encoder.enable_cuda_graphs()  # type: ignore[attr-defined]
-        if (s.encoder_compile or graphs) and self.device.type == "cuda" and (
-                self._encoder is None or graphs):
+        if (
+            (s.encoder_compile or graphs)
+            and self.device.type == "cuda"
+            and (self._encoder is None or graphs)
+        ):
             # A compiled graph or a captured CUDA graph per batch size: pad batches up to powers
             # of two, so that a handful of sizes is prepared once, here, and never while serving.
-            self._buckets = sorted({min(1 << k, s.max_batch_size)
-                                    for k in range(s.max_batch_size.bit_length() + 1)})
+            self._buckets = sorted(
+                {min(1 << k, s.max_batch_size) for k in range(s.max_batch_size.bit_length() + 1)}
+            )
         await asyncio.to_thread(encoder.warmup, self._buckets or [1, s.max_batch_size])
-        self.batcher = Batcher(self._run_batch, max_batch_size=s.max_batch_size,
-                               max_wait_s=s.max_batch_wait_ms / 1000, queue_size=s.queue_size,
-                               discard=self._discard, on_batch=self._observe_batch)
+        self.batcher = Batcher(
+            self._run_batch,
+            max_batch_size=s.max_batch_size,
+            max_wait_s=s.max_batch_wait_ms / 1000,
+            queue_size=s.queue_size,
+            discard=self._discard,
+            on_batch=self._observe_batch,
+        )
         self.batcher.start()
         self.ready = True
 
     def _build_encoder(self) -> Encoder:
         s = self.settings
         dtype = None if s.dtype == "auto" else getattr(torch, s.dtype)
-        return build_encoder(s.encoder, device=self.device, dtype=dtype, weights=s.encoder_weights,
-                             compile=s.encoder_compile)
+        return build_encoder(
+            s.encoder,
+            device=self.device,
+            dtype=dtype,
+            weights=s.encoder_weights,
+            compile=s.encoder_compile,
+        )
 
     def _welcome_extra(self) -> dict[str, Any]:
         """The GPU tier's device identity for consumers; FABRIC handles only when peers must
@@ -138,8 +167,14 @@ class Engine:
 
     # ---- the encode path -------------------------------------------------------------------
 
-    async def encode(self, images: Sequence[tuple[str, bytes]], ttl_s: float | None, *,
-                     pooled: bool = False, dtype: torch.dtype | None = None) -> list[Lease]:
+    async def encode(
+        self,
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        *,
+        pooled: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> list[Lease]:
         """Validate, decode, batch, encode and publish; all or nothing: on any failure no
         lease remains. Every image is validated before any is queued."""
         if not self.ready or self.batcher is None or self.encoder is None:
@@ -155,15 +190,26 @@ class Engine:
                 # than a hop to the thread pool); the pixels are decoded on the GPU in batches.
                 for i, (label, data) in enumerate(images):
                     if data[:3] == b"\xff\xd8\xff":
-                        h = inspect(data, max_pixels=s.max_image_pixels,
-                                    max_bytes=s.max_image_bytes, label=label)
+                        h = inspect(
+                            data,
+                            max_pixels=s.max_image_pixels,
+                            max_bytes=s.max_image_bytes,
+                            label=label,
+                        )
                         if h.gpu_jpeg:
-                            jobs[i] = Job(label, ttl_s, jpeg=data, orientation=h.orientation,
-                                          pooled=pooled, dtype=dtype)
+                            jobs[i] = Job(
+                                label,
+                                ttl_s,
+                                jpeg=data,
+                                orientation=h.orientation,
+                                pooled=pooled,
+                                dtype=dtype,
+                            )
             loop = asyncio.get_running_loop()
             todo = [i for i, j in enumerate(jobs) if j is None]
-            tasks = [loop.run_in_executor(self.decoder, self._decode, *images[i], size)
-                     for i in todo]
+            tasks = [
+                loop.run_in_executor(self.decoder, self._decode, *images[i], size) for i in todo
+            ]
             try:
                 for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
                     jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
@@ -181,27 +227,29 @@ class Engine:
     def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        out = decode(data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes,
-                     label=label)
+        out = decode(
+            data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+        )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 
-    def _pixels(self, jobs: list[Job]) -> tuple[list[int], torch.Tensor | None,
-                                                 dict[int, BaseException]]:
+    def _pixels(
+        self, jobs: list[Job]
+    ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
         that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
         assert self.encoder is not None
         size = self.encoder.image_size
         failed: dict[int, BaseException] = {}
-        host: dict[int, torch.Tensor] = {i: j.pixels for i, j in enumerate(jobs)
-                                         if j.pixels is not None}
+        host: dict[int, torch.Tensor] = {
+            i: j.pixels for i, j in enumerate(jobs) if j.pixels is not None
+        }
         on_gpu: dict[int, torch.Tensor] = {}
         gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
         if gpu_idx:
             assert self.jpeg is not None
             t0 = time.perf_counter()
-            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8)
-                     for i in gpu_idx]
+            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
             for i, out in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
                 if isinstance(out, torch.Tensor):
                     on_gpu[i] = out
@@ -220,8 +268,9 @@ class Engine:
         parts: list[tuple[list[int], torch.Tensor]] = []
         if on_gpu:
             g = sorted(on_gpu)
-            parts.append((g, preprocess([on_gpu[i] for i in g],
-                                        [jobs[i].orientation for i in g], size)))
+            parts.append(
+                (g, preprocess([on_gpu[i] for i in g], [jobs[i].orientation for i in g], size))
+            )
         if host:
             h = sorted(host)
             x = torch.stack([host[i] for i in h])
@@ -243,8 +292,9 @@ class Engine:
         assert self.encoder is not None and self.pool is not None
         try:
             ok, x, failed = self._pixels(jobs)
-            results: list[Lease | BaseException] = [failed.get(i, ApiError(
-                "internal_error", "not encoded")) for i in range(len(jobs))]
+            results: list[Lease | BaseException] = [
+                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
+            ]
             if x is None:
                 return results
             x = (x - self._mean) / self._std
@@ -255,7 +305,7 @@ class Engine:
                 x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
             feats = self.encoder.encode(x)[:n]
             self._track(start, len(ok))
-            pooled = (feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None)
+            pooled = feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None
         except RuntimeError as e:
             self._check_cuda(e, "the encoder")
             return [e] * len(jobs)
@@ -270,7 +320,8 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 placed: list[Lease | BaseException] = list(
-                    self.pool.put_many([f for _, f in members], ttl))
+                    self.pool.put_many([f for _, f in members], ttl)
+                )
             except ValueError as e:
                 placed = [e] * len(members)
             except RuntimeError as e:  # the batch's other leases stay valid and are returned

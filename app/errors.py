@@ -62,8 +62,11 @@ class ApiError(Exception):
 
 
 def error_response(type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": type_, "message": message}},
-                        status_code=STATUS.get(type_, 500), headers=headers)
+    return JSONResponse(
+        {"error": {"type": type_, "message": message}},
+        status_code=STATUS.get(type_, 500),
+        headers=headers,
+    )
 
 
 def install(app: FastAPI) -> None:
@@ -86,8 +89,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-                401: "unauthorized"}.get(e.status_code, "invalid_request")
+        kind = {
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+            401: "unauthorized",
+        }.get(e.status_code, "invalid_request")
         resp = error_response(kind, str(e.detail))
         resp.status_code = e.status_code
         return resp

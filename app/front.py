@@ -28,8 +28,18 @@ from app.routes import encode_router
 from app.settings import Settings
 
 # Hop-by-hop and length headers are the proxy's own business.
-_SKIP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length",
-         "content-encoding", "upgrade", "te", "trailer", "proxy-connection"}
+_SKIP = {
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-connection",
+}
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -48,8 +58,11 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     jobs_path, core_http = channel_paths(settings.socket_path)
     jobs = JobClient(jobs_path)
-    core = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(core_http)),
-                             base_url="http://featpool-gpu", timeout=60.0)
+    core = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=str(core_http)),
+        base_url="http://featpool-gpu",
+        timeout=60.0,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,8 +72,9 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
             await jobs.close()
             await core.aclose()
 
-    async def encode_images(images: Sequence[tuple[str, bytes]], ttl_s: float | None,
-                            pooled: bool, dtype: str | None) -> dict[str, Any]:
+    async def encode_images(
+        images: Sequence[tuple[str, bytes]], ttl_s: float | None, pooled: bool, dtype: str | None
+    ) -> dict[str, Any]:
         status, body, headers = await jobs.encode(images, ttl_s, pooled, dtype)
         if status == 200:
             return body
@@ -76,30 +90,52 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(encode_router)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
-                                            "OPTIONS"], include_in_schema=False)
+    @app.api_route(
+        "/{path:path}",
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+        include_in_schema=False,
+    )
     async def forward(request: Request, path: str) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         try:
-            r = await core.request(request.method, "/" + path, params=request.query_params,
-                                   headers=headers, content=await request.body())
+            r = await core.request(
+                request.method,
+                "/" + path,
+                params=request.query_params,
+                headers=headers,
+                content=await request.body(),
+            )
         except httpx.TransportError as e:
             raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
-        return Response(r.content, status_code=r.status_code,
-                        headers={k: v for k, v in r.headers.items()
-                                 if k.lower() not in _SKIP and k.lower() != "x-request-id"})
+        return Response(
+            r.content,
+            status_code=r.status_code,
+            headers={
+                k: v
+                for k, v in r.headers.items()
+                if k.lower() not in _SKIP and k.lower() != "x-request-id"
+            },
+        )
 
-    app.add_middleware(ServiceMiddleware, metrics=app.state.metrics,
-                       max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        ServiceMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
+    )
     return app
 
 
 def main() -> None:
     settings = Settings()
     logs.setup(settings.log_level, settings.log_json)
-    uvicorn.run("app.front:create_front_app", factory=True, host=settings.host,
-                port=settings.port, workers=settings.http_workers, log_config=None,
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.run(
+        "app.front:create_front_app",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.http_workers,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
 
 
 if __name__ == "__main__":

@@ -42,11 +42,12 @@ def centre_square(x: torch.Tensor) -> torch.Tensor:
     h, w = x.shape[-2:]
     side = min(h, w)
     top, left = (h - side) // 2, (w - side) // 2
-    return x[..., top:top + side, left:left + side]
+    return x[..., top : top + side, left : left + side]
 
 
-def preprocess(images: Sequence[torch.Tensor], orientations: Sequence[int], size: int
-               ) -> torch.Tensor:
+def preprocess(
+    images: Sequence[torch.Tensor], orientations: Sequence[int], size: int
+) -> torch.Tensor:
     """``[3, H, W]`` uint8 images -> ``[N, 3, size, size]`` float in 0..255, rounded as uint8.
 
     Like ``ImageOps.fit``: orient, crop the centred square, resize it with an antialiased
@@ -60,8 +61,9 @@ def preprocess(images: Sequence[torch.Tensor], orientations: Sequence[int], size
     for shape, idx in groups.items():
         x = torch.stack([squares[i] for i in idx]).float()
         if shape[-1] != size:
-            x = nnf.interpolate(x, size=(size, size), mode="bicubic", antialias=True,
-                                align_corners=False)
+            x = nnf.interpolate(
+                x, size=(size, size), mode="bicubic", antialias=True, align_corners=False
+            )
         x = x.clamp_(0, 255).round_()
         if len(idx) == len(images):
             return x
@@ -85,8 +87,7 @@ class JpegDecoder:
         self._decode = decode_fn
 
     @classmethod
-    def create(cls, device: torch.device, mode: Literal["auto", "on", "off"]
-               ) -> JpegDecoder | None:
+    def create(cls, device: torch.device, mode: Literal["auto", "on", "off"]) -> JpegDecoder | None:
         """The GPU decoder, or None where Pillow decodes (``off``, no CUDA, no torchvision).
         ``on`` insists: no GPU decode is a start-up error."""
         if mode == "off":

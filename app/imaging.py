@@ -21,8 +21,14 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
 
-FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "GIF": "image/gif",
-           "BMP": "image/bmp", "TIFF": "image/tiff"}
+FORMATS = {
+    "JPEG": "image/jpeg",
+    "PNG": "image/png",
+    "WEBP": "image/webp",
+    "GIF": "image/gif",
+    "BMP": "image/bmp",
+    "TIFF": "image/tiff",
+}
 ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
 EXIF_ORIENTATION = 0x0112
 
@@ -30,9 +36,10 @@ EXIF_ORIENTATION = 0x0112
 def check_content_type(content_type: str | None, what: str = "body") -> None:
     ct = (content_type or "").split(";")[0].strip().lower()
     if ct not in ACCEPTED_CONTENT_TYPES:
-        raise ApiError("unsupported_media_type",
-                       f"{what} has content type {ct!r}; send one of "
-                       f"{', '.join(sorted(FORMATS.values()))}")
+        raise ApiError(
+            "unsupported_media_type",
+            f"{what} has content type {ct!r}; send one of {', '.join(sorted(FORMATS.values()))}",
+        )
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,10 @@ def _image_errors(label: str) -> Iterator[None]:
     except ApiError:
         raise
     except UnidentifiedImageError:
-        raise ApiError("invalid_image", f"{label} is not a recognised image "
-                       "(JPEG, PNG, WebP, GIF, BMP or TIFF)") from None
+        raise ApiError(
+            "invalid_image",
+            f"{label} is not a recognised image (JPEG, PNG, WebP, GIF, BMP or TIFF)",
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ApiError("image_too_large", f"{label}: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError, KeyError, struct.error) as e:
@@ -74,14 +83,17 @@ def _open(data: bytes, *, max_pixels: int, max_bytes: int, label: str) -> Image.
         raise ApiError("image_too_large", f"{label} is {len(data)} bytes; the limit is {max_bytes}")
     im = Image.open(io.BytesIO(data))
     if im.format not in FORMATS:
-        raise ApiError("unsupported_media_type",
-                       f"{label} is {im.format}; send JPEG, PNG, WebP, GIF, BMP or TIFF")
+        raise ApiError(
+            "unsupported_media_type",
+            f"{label} is {im.format}; send JPEG, PNG, WebP, GIF, BMP or TIFF",
+        )
     w, h = im.size
     if w <= 0 or h <= 0:
         raise ApiError("invalid_image", f"{label} has no pixels ({w}x{h})")
     if w * h > max_pixels:
-        raise ApiError("image_too_large",
-                       f"{label} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+        raise ApiError(
+            "image_too_large", f"{label} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}"
+        )
     return im
 
 
@@ -94,13 +106,17 @@ def inspect(data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image
             orientation = 1  # as Pillow's exif_transpose: an unknown value changes nothing
         # A JPEG without its EOI marker is routed to Pillow, which refuses it as truncated;
         # nvJPEG could return it half-grey instead. CMYK/YCCK stay with Pillow too.
-        gpu = (im.format == "JPEG" and im.mode in ("RGB", "L")
-               and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9")
+        gpu = (
+            im.format == "JPEG"
+            and im.mode in ("RGB", "L")
+            and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
+        )
         return Header(str(im.format), im.size[0], im.size[1], im.mode, orientation, gpu)
 
 
-def decode(data: bytes, size: int, *, max_pixels: int, max_bytes: int,
-           label: str = "image") -> torch.Tensor:
+def decode(
+    data: bytes, size: int, *, max_pixels: int, max_bytes: int, label: str = "image"
+) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
     with _image_errors(label):
         im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)

@@ -34,18 +34,22 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
-EncodeFn = Callable[[Sequence[tuple[str, bytes]], float | None, bool, str | None],
-                    Awaitable[dict[str, Any]]]
+EncodeFn = Callable[
+    [Sequence[tuple[str, bytes]], float | None, bool, str | None], Awaitable[dict[str, Any]]
+]
 
 
 def channel_paths(socket_path: Path) -> tuple[Path, Path]:
     """(job socket, the GPU process's own HTTP socket), beside the hand-off socket."""
-    return (socket_path.with_name(socket_path.name + ".jobs"),
-            socket_path.with_name(socket_path.name + ".http"))
+    return (
+        socket_path.with_name(socket_path.name + ".jobs"),
+        socket_path.with_name(socket_path.name + ".http"),
+    )
 
 
-async def _write(writer: asyncio.StreamWriter, header: dict[str, Any],
-                 payload: Sequence[bytes] = ()) -> None:
+async def _write(
+    writer: asyncio.StreamWriter, header: dict[str, Any], payload: Sequence[bytes] = ()
+) -> None:
     raw = json.dumps({**header, "payload": sum(len(p) for p in payload)}).encode()
     writer.write(_LEN.pack(len(raw)) + raw)
     for p in payload:
@@ -69,8 +73,9 @@ def _error(kind: str, message: str) -> tuple[int, dict[str, Any]]:
 class JobServer:
     """Runs in the GPU process: answers encode jobs from the fronts with ``encode``."""
 
-    def __init__(self, path: Path, encode: EncodeFn, release: Callable[[str], None],
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, path: Path, encode: EncodeFn, release: Callable[[str], None], metrics: Metrics
+    ) -> None:
         self.path = path
         self._encode = encode
         self._release = release
@@ -80,8 +85,9 @@ class JobServer:
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
-                                                       limit=1 << 20)
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=str(self.path), limit=1 << 20
+        )
         os.chmod(self.path, 0o600)
 
     async def stop(self) -> None:
@@ -109,17 +115,23 @@ class JobServer:
         finally:
             writer.close()
 
-    async def _job(self, header: dict[str, Any], payload: bytes, writer: asyncio.StreamWriter,
-                   lock: asyncio.Lock) -> None:
+    async def _job(
+        self,
+        header: dict[str, Any],
+        payload: bytes,
+        writer: asyncio.StreamWriter,
+        lock: asyncio.Lock,
+    ) -> None:
         started = time.perf_counter()
         images, at = [], 0
         for label, size in header["images"]:
-            images.append((str(label), payload[at:at + size]))
+            images.append((str(label), payload[at : at + size]))
             at += size
         headers: dict[str, str] = {}
         try:
-            body = await self._encode(images, header.get("ttl_s"), bool(header.get("pooled")),
-                                      header.get("dtype"))
+            body = await self._encode(
+                images, header.get("ttl_s"), bool(header.get("pooled")), header.get("dtype")
+            )
             status = 200
         except ApiError as e:
             status, body = _error(e.type, e.message)
@@ -135,8 +147,9 @@ class JobServer:
         self._metrics.request_seconds.labels("/v1/encode").observe(time.perf_counter() - started)
         async with lock:
             try:
-                await _write(writer, {"id": header["id"], "status": status, "body": body,
-                                      "headers": headers})
+                await _write(
+                    writer, {"id": header["id"], "status": status, "body": body, "headers": headers}
+                )
             except ConnectionError:  # the front went away: its leases must not wait for TTL
                 for item in body.get("items", []):
                     self._release(item["lease_id"])
@@ -159,7 +172,8 @@ class JobClient:
             if self._writer is None or self._writer.is_closing():
                 try:
                     reader, self._writer = await asyncio.open_unix_connection(
-                        str(self.path), limit=1 << 20)
+                        str(self.path), limit=1 << 20
+                    )
                 except OSError as e:
                     raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
                 self._reader_task = asyncio.create_task(self._read_loop(reader))
@@ -171,8 +185,9 @@ class JobClient:
                 header, _ = await _read(reader)
                 fut = self._waiting.pop(int(header["id"]), None)
                 if fut is not None and not fut.done():
-                    fut.set_result((int(header["status"]), header["body"],
-                                    header.get("headers") or {}))
+                    fut.set_result(
+                        (int(header["status"]), header["body"], header.get("headers") or {})
+                    )
                 elif header.get("status") == 200:  # nobody waits: give the leases back now
                     ids = [i["lease_id"] for i in header["body"].get("items", [])]
                     await self._send({"id": 0, "op": "release", "lease_ids": ids})
@@ -194,17 +209,30 @@ class JobClient:
             except ConnectionError as e:
                 raise ApiError("not_ready", f"the GPU process went away ({e})") from e
 
-    async def encode(self, images: Sequence[tuple[str, bytes]], ttl_s: float | None,
-                     pooled: bool, dtype: str | None) -> tuple[int, dict[str, Any],
-                                                                dict[str, str]]:
+    async def encode(
+        self,
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        pooled: bool,
+        dtype: str | None,
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
         job = next(self._ids)
         fut: asyncio.Future[tuple[int, dict[str, Any], dict[str, str]]] = (
-            asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().create_future()
+        )
         self._waiting[job] = fut
         try:
-            await self._send({"id": job, "op": "encode", "ttl_s": ttl_s, "pooled": pooled,
-                              "dtype": dtype, "images": [[lb, len(d)] for lb, d in images]},
-                             [d for _, d in images])
+            await self._send(
+                {
+                    "id": job,
+                    "op": "encode",
+                    "ttl_s": ttl_s,
+                    "pooled": pooled,
+                    "dtype": dtype,
+                    "images": [[lb, len(d)] for lb, d in images],
+                },
+                [d for _, d in images],
+            )
             return await fut
         finally:
             # Cancelled (the client hung up): the answer, when it comes, is released unread.

@@ -39,10 +39,12 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
     metrics = Metrics()
     engine = Engine(settings, metrics, encoder)
 
-    async def encode_images(images: Sequence[tuple[str, bytes]], ttl_s: float | None,
-                            pooled: bool, dtype: str | None) -> dict[str, Any]:
-        leases = await engine.encode(images, ttl_s, pooled=pooled,
-                                     dtype=getattr(torch, dtype) if dtype else None)
+    async def encode_images(
+        images: Sequence[tuple[str, bytes]], ttl_s: float | None, pooled: bool, dtype: str | None
+    ) -> dict[str, Any]:
+        leases = await engine.encode(
+            images, ttl_s, pooled=pooled, dtype=getattr(torch, dtype) if dtype else None
+        )
         assert engine.pool is not None
         return {"items": [engine.pool.describe(lease) for lease in leases]}
 
@@ -54,19 +56,28 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
             pass
 
     # With --http-workers, front processes send encode jobs over this channel.
-    jobs = (JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly,
-                      metrics) if settings.http_workers > 0 else None)
+    jobs = (
+        JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly, metrics)
+        if settings.http_workers > 0
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         assert engine.caps is not None and engine.encoder is not None
         metrics.build_info.labels(
-            package_version(), torch.__version__, torch.version.cuda or "none",
-            engine.caps.transport, engine.encoder.name, str(engine.device)).set(1)
+            package_version(),
+            torch.__version__,
+            torch.version.cuda or "none",
+            engine.caps.transport,
+            engine.encoder.name,
+            str(engine.device),
+        ).set(1)
         metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
         metrics.queue_depth.set_function(
-            lambda: float(engine.batcher.depth if engine.batcher else 0))
+            lambda: float(engine.batcher.depth if engine.batcher else 0)
+        )
         if jobs is not None:
             await jobs.start()
         log_startup(settings, engine)
@@ -77,9 +88,13 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
                 await jobs.stop()
             await engine.stop()
 
-    app = FastAPI(title="featpool", version=package_version(), lifespan=lifespan,
-                  description="GPU feature transport: encode images, lease the features, map "
-                              "them zero-copy from another process.")
+    app = FastAPI(
+        title="featpool",
+        version=package_version(),
+        lifespan=lifespan,
+        description="GPU feature transport: encode images, lease the features, map "
+        "them zero-copy from another process.",
+    )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
@@ -95,17 +110,26 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
 def log_startup(settings: Settings, engine: Engine) -> None:
     """One line: the settings that differ from the defaults, and what the machine can do."""
     defaults = Settings.model_construct()
-    changed = {k: ("***" if "key" in k or "token" in k else v)
-               for k, v in settings.model_dump().items()
-               if k != "socket_path" and v != getattr(defaults, k, None)}
+    changed = {
+        k: ("***" if "key" in k or "token" in k else v)
+        for k, v in settings.model_dump().items()
+        if k != "socket_path" and v != getattr(defaults, k, None)
+    }
     caps = engine.caps
     log.info(
         "featpool %s ready: device=%s transport=%s encoder=%s output=%s socket=%s "
         "vmm=%s posix_fd=%s fabric=%s%s python=%s torch=%s non-default settings=%s",
-        package_version(), engine.device, caps.transport if caps else "?",
+        package_version(),
+        engine.device,
+        caps.transport if caps else "?",
         engine.encoder.name if engine.encoder else "?",
-        list(engine.encoder.output_shape) if engine.encoder else "?", settings.socket_path,
-        caps.vmm if caps else False, caps.posix_fd if caps else False,
+        list(engine.encoder.output_shape) if engine.encoder else "?",
+        settings.socket_path,
+        caps.vmm if caps else False,
+        caps.posix_fd if caps else False,
         caps.fabric if caps else False,
         f" ({caps.fabric_reason})" if caps and caps.fabric_reason else "",
-        platform.python_version(), torch.__version__, changed)
+        platform.python_version(),
+        torch.__version__,
+        changed,
+    )

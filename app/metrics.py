@@ -21,8 +21,23 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                   5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -39,10 +54,14 @@ class PoolCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
         cap = GaugeMetricFamily("featpool_pool_capacity_bytes", "Pool capacity", labels=["tier"])
-        used = GaugeMetricFamily("featpool_pool_used_bytes", "Bytes held by leases",
-                                 labels=["tier"])
-        largest = GaugeMetricFamily("featpool_pool_largest_free_bytes",
-                                    "Largest free extent (fragmentation)", labels=["tier"])
+        used = GaugeMetricFamily(
+            "featpool_pool_used_bytes", "Bytes held by leases", labels=["tier"]
+        )
+        largest = GaugeMetricFamily(
+            "featpool_pool_largest_free_bytes",
+            "Largest free extent (fragmentation)",
+            labels=["tier"],
+        )
         active = GaugeMetricFamily("featpool_leases_active", "Leases alive", labels=["tier"])
         for t in s["tiers"]:
             cap.add_metric([t["tier"]], t["capacity_bytes"])
@@ -55,33 +74,41 @@ class PoolCollector(Collector):
         active.add_metric(["inline"], inline["leases_active"])
         yield from (cap, used, largest, active)
 
-        yield GaugeMetricFamily("featpool_lease_slots", "Lease slots in the control block",
-                                value=s["max_leases"])
-        yield GaugeMetricFamily("featpool_consumers_attached",
-                                "Consumer processes attached to the hand-off socket",
-                                value=s["consumers_attached"])
+        yield GaugeMetricFamily(
+            "featpool_lease_slots", "Lease slots in the control block", value=s["max_leases"]
+        )
+        yield GaugeMetricFamily(
+            "featpool_consumers_attached",
+            "Consumer processes attached to the hand-off socket",
+            value=s["consumers_attached"],
+        )
         created = CounterMetricFamily("featpool_leases_created", "Leases created", labels=["tier"])
         for tier, n in s["created"].items():
             created.add_metric([tier], n)
         yield created
-        released = CounterMetricFamily("featpool_leases_released",
-                                       "Leases ended by consumer ack or DELETE", labels=["reason"])
+        released = CounterMetricFamily(
+            "featpool_leases_released", "Leases ended by consumer ack or DELETE", labels=["reason"]
+        )
         for reason, n in s["released"].items():
             released.add_metric([reason], n)
         yield released
-        expired = CounterMetricFamily("featpool_leases_expired", "Leases ended by their deadline",
-                                      labels=["tier"])
+        expired = CounterMetricFamily(
+            "featpool_leases_expired", "Leases ended by their deadline", labels=["tier"]
+        )
         for tier, n in s["expired"].items():
             expired.add_metric([tier], n)
         yield expired
-        fallbacks = CounterMetricFamily("featpool_fallbacks",
-                                        "Tensors placed lower in the chain than the first tier",
-                                        labels=["reason", "tier"])
+        fallbacks = CounterMetricFamily(
+            "featpool_fallbacks",
+            "Tensors placed lower in the chain than the first tier",
+            labels=["reason", "tier"],
+        )
         for (reason, tier), n in s["fallbacks"].items():
             fallbacks.add_metric([reason, tier], n)
         yield fallbacks
-        failures = CounterMetricFamily("featpool_allocation_failures",
-                                       "Allocations a tier could not satisfy", labels=["tier"])
+        failures = CounterMetricFamily(
+            "featpool_allocation_failures", "Allocations a tier could not satisfy", labels=["tier"]
+        )
         for tier, n in s["alloc_failures"].items():
             failures.add_metric([tier], n)
         yield failures
@@ -93,34 +120,57 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.build_info = Gauge("featpool_build_info", "Build and runtime versions",
-                                ["version", "torch", "cuda", "transport", "encoder", "device"],
-                                registry=r)
+        self.build_info = Gauge(
+            "featpool_build_info",
+            "Build and runtime versions",
+            ["version", "torch", "cuda", "transport", "encoder", "device"],
+            registry=r,
+        )
         self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)
-        self.requests = Counter("featpool_http_requests", "HTTP requests",
-                                ["endpoint", "status_class"], registry=r)
-        self.request_seconds = Histogram("featpool_request_duration_seconds",
-                                         "HTTP request duration", ["endpoint"],
-                                         buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("featpool_queue_wait_seconds",
-                                       "Time an image waited for its batch",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_seconds = Histogram("featpool_decode_duration_seconds",
-                                        "Decode and preprocess time of one image",
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.encode_seconds = Histogram("featpool_encode_duration_seconds",
-                                        "Encoder forward time of one batch",
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.publish_seconds = Histogram("featpool_publish_duration_seconds",
-                                         "Host time to place one tensor in the pool",
-                                         buckets=FAST_BUCKETS, registry=r)
-        self.batch_size = Histogram("featpool_batch_size", "Images per encoder batch",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.queue_depth = Gauge("featpool_queue_depth", "Images waiting for the encoder",
-                                 registry=r)
+        self.requests = Counter(
+            "featpool_http_requests", "HTTP requests", ["endpoint", "status_class"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "featpool_request_duration_seconds",
+            "HTTP request duration",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "featpool_queue_wait_seconds",
+            "Time an image waited for its batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "featpool_decode_duration_seconds",
+            "Decode and preprocess time of one image",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            "featpool_encode_duration_seconds",
+            "Encoder forward time of one batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "featpool_publish_duration_seconds",
+            "Host time to place one tensor in the pool",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "featpool_batch_size", "Images per encoder batch", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(
+            "featpool_queue_depth", "Images waiting for the encoder", registry=r
+        )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
-        self.rejected = Counter("featpool_rejected", "Requests turned away before work",
-                                ["reason"], registry=r)
+        self.rejected = Counter(
+            "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
+        )
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))

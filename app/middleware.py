@@ -60,8 +60,10 @@ class ServiceMiddleware:
                 response_started = True
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"],
-                                      (b"x-request-id", request_id.encode("latin-1"))]
+                message["headers"] = [
+                    *message["headers"],
+                    (b"x-request-id", request_id.encode("latin-1")),
+                ]
             await send(message)
 
         received = 0
@@ -102,9 +104,16 @@ class ServiceMiddleware:
                 raise
             status = 413
             self.metrics.rejected.labels("payload_too_large").inc()
-            await _send_json(send_wrapper, 413, {"error": {
-                "type": "payload_too_large",
-                "message": f"request body exceeds {self.max_body_bytes} bytes"}})
+            await _send_json(
+                send_wrapper,
+                413,
+                {
+                    "error": {
+                        "type": "payload_too_large",
+                        "message": f"request body exceeds {self.max_body_bytes} bytes",
+                    }
+                },
+            )
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -112,14 +121,27 @@ class ServiceMiddleware:
             self.metrics.requests.labels(endpoint, f"{status // 100}xx").inc()
             self.metrics.request_seconds.labels(endpoint).observe(elapsed)
             if endpoint not in ("/metrics", "/health"):
-                log.info("%s %s -> %d in %.1f ms", scope["method"], scope["path"], status,
-                         elapsed * 1000, extra={"request_id": request_id, "status": status})
+                log.info(
+                    "%s %s -> %d in %.1f ms",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    elapsed * 1000,
+                    extra={"request_id": request_id, "status": status},
+                )
 
 
 async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})

@@ -66,15 +66,20 @@ class EncodeOut(BaseModel):
 
 
 class RenewIn(BaseModel):
-    ttl_s: float | None = Field(None, gt=0,
-                                description="new deadline from now; default TTL if unset")
+    ttl_s: float | None = Field(
+        None, gt=0, description="new deadline from now; default TTL if unset"
+    )
 
 
 TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in seconds")]
-PooledQuery = Annotated[bool, Query(
-    description="publish the mean over tokens, shape [D], instead of every token, [T, D]")]
-DtypeQuery = Annotated[Literal["float32", "bfloat16", "float16"] | None, Query(
-    description="dtype of the published features; default: the encoder's")]
+PooledQuery = Annotated[
+    bool,
+    Query(description="publish the mean over tokens, shape [D], instead of every token, [T, D]"),
+]
+DtypeQuery = Annotated[
+    Literal["float32", "bfloat16", "float16"] | None,
+    Query(description="dtype of the published features; default: the encoder's"),
+]
 
 # The encode route on its own router: HTTP front processes serve it and proxy the rest.
 encode_router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -83,21 +88,42 @@ ops = APIRouter()
 
 
 # The route reads its body itself (it streams and limits it), so FastAPI cannot describe it.
-ENCODE_BODY = {"requestBody": {"required": True, "content": {
-    "multipart/form-data": {"schema": {
-        "type": "object", "required": ["image"],
-        "properties": {"image": {"type": "array", "minItems": 1,
-                                 "items": {"type": "string", "format": "binary"}}}}},
-    **{ct: {"schema": {"type": "string", "format": "binary"}}
-       for ct in ("image/jpeg", "image/png", "image/webp", "application/octet-stream")},
-}}}
+ENCODE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["image"],
+                    "properties": {
+                        "image": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "string", "format": "binary"},
+                        }
+                    },
+                }
+            },
+            **{
+                ct: {"schema": {"type": "string", "format": "binary"}}
+                for ct in ("image/jpeg", "image/png", "image/webp", "application/octet-stream")
+            },
+        },
+    }
+}
 
 
-@encode_router.post("/encode", response_model=EncodeOut,
-         summary="Encode images into pooled features", openapi_extra=ENCODE_BODY,
-         responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}})
-async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False,
-                 dtype: DtypeQuery = None) -> dict[str, Any]:
+@encode_router.post(
+    "/encode",
+    response_model=EncodeOut,
+    summary="Encode images into pooled features",
+    openapi_extra=ENCODE_BODY,
+    responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}},
+)
+async def encode(
+    request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False, dtype: DtypeQuery = None
+) -> dict[str, Any]:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
     image, in order."""
     s: Settings = request.app.state.settings
@@ -113,22 +139,29 @@ async def encode(request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery =
     return await encode_images(images, ttl_s, pooled, dtype)
 
 
-
 async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, bytes]]:
     try:
-        form = await request.form(max_files=s.max_images_per_request, max_fields=32,
-                                  max_part_size=s.max_image_bytes)
+        form = await request.form(
+            max_files=s.max_images_per_request, max_fields=32, max_part_size=s.max_image_bytes
+        )
     except (MultiPartException, HTTPException) as e:
         # Starlette reports multipart limits as a 400 carrying the parser's message.
         message = str(e.detail if isinstance(e, HTTPException) else e.message)
-        kind = ("too_many_images" if "Too many files" in message else
-                "image_too_large" if "exceeded maximum size" in message else "invalid_request")
+        kind = (
+            "too_many_images"
+            if "Too many files" in message
+            else "image_too_large"
+            if "exceeded maximum size" in message
+            else "invalid_request"
+        )
         raise ApiError(kind, f"bad multipart body: {message}") from None
     try:
         parts = form.getlist("image")
         if not parts:
-            raise ApiError("validation_error",
-                           "the multipart body has no 'image' part (send -F image=@file.jpg)")
+            raise ApiError(
+                "validation_error",
+                "the multipart body has no 'image' part (send -F image=@file.jpg)",
+            )
         images = []
         for i, part in enumerate(parts):
             if not isinstance(part, UploadFile):
@@ -146,9 +179,17 @@ async def get_lease(request: Request, lease_id: str) -> dict[str, Any]:
     return p.describe(p.get(lease_id))
 
 
-@v1.get("/leases/{lease_id}/tensor", responses={200: {"content": {
-    "application/octet-stream": {}}, "description": "safetensors file with one tensor 'features'"},
-    404: {}, 410: {}})
+@v1.get(
+    "/leases/{lease_id}/tensor",
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "safetensors file with one tensor 'features'",
+        },
+        404: {},
+        410: {},
+    },
+)
 async def get_tensor(request: Request, lease_id: str) -> Response:
     """The features as a safetensors file (one tensor named ``features``)."""
     p = pool(request)
@@ -157,14 +198,15 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
     tensor = await asyncio.to_thread(p.read, lease_id)
     body = save({"features": tensor.contiguous()}, metadata={"lease_id": lease_id})
     disposition = f'attachment; filename="{lease_id}.safetensors"'
-    return Response(body, media_type="application/octet-stream",
-                    headers={"Content-Disposition": disposition})
+    return Response(
+        body, media_type="application/octet-stream", headers={"Content-Disposition": disposition}
+    )
 
 
-@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut,
-         responses={400: {}, 404: {}, 410: {}})
-async def renew_lease(request: Request, lease_id: str, body: RenewIn | None = None
-                      ) -> dict[str, Any]:
+@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut, responses={400: {}, 404: {}, 410: {}})
+async def renew_lease(
+    request: Request, lease_id: str, body: RenewIn | None = None
+) -> dict[str, Any]:
     p = pool(request)
     return p.describe(p.renew(lease_id, body.ttl_s if body else None))
 
@@ -180,8 +222,9 @@ async def pool_info(request: Request) -> dict[str, Any]:
     eng = engine(request)
     stats = pool(request).stats()
     stats["epoch"] = f"{stats['epoch']:016x}"
-    stats["fallbacks"] = [{"reason": r, "tier": t, "count": n}
-                          for (r, t), n in stats["fallbacks"].items()]
+    stats["fallbacks"] = [
+        {"reason": r, "tier": t, "count": n} for (r, t), n in stats["fallbacks"].items()
+    ]
     stats["socket_path"] = str(eng.settings.socket_path)
     stats["capabilities"] = vars(eng.caps) if eng.caps else {}
     return stats
@@ -207,5 +250,3 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
-
-

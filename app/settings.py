@@ -25,39 +25,48 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     http_workers: int = Field(
-        0, ge=0, le=64,
+        0,
+        ge=0,
+        le=64,
         description="HTTP front processes that parse uploads and hand them to the GPU process; "
-                    "0 serves HTTP in the GPU process")
+        "0 serves HTTP in the GPU process",
+    )
     api_key: SecretStr | None = Field(
-        None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'")
+        None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
+    )
 
     # Device and pool
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     transport: Literal["auto", "cuda_vmm", "host_shm"] = Field(
-        "auto",
-        description="GPU pool (cuda_vmm) or host shared memory; auto picks cuda_vmm on CUDA")
+        "auto", description="GPU pool (cuda_vmm) or host shared memory; auto picks cuda_vmm on CUDA"
+    )
     pool_bytes: int = Field(1024 * MiB, gt=0, description="GPU tier size (cuda_vmm)")
-    host_pool_bytes: int = Field(256 * MiB, ge=0,
-                                 description="host tier size; 0 disables the host tier")
-    slab_bytes: int = Field(128 * MiB, gt=0,
-                            description="size of one slab (rounded to granularity)")
-    inline_max_bytes: int = Field(256 * MiB, ge=0,
-                                  description="bound on inline (HTTP-only) leases")
+    host_pool_bytes: int = Field(
+        256 * MiB, ge=0, description="host tier size; 0 disables the host tier"
+    )
+    slab_bytes: int = Field(
+        128 * MiB, gt=0, description="size of one slab (rounded to granularity)"
+    )
+    inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
     max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
     lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
     max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
     fallback: Literal["fallback", "wait", "reject"] = Field(
-        "fallback", description="when the first tier is full: next tier, bounded wait, or 503")
+        "fallback", description="when the first tier is full: next tier, bounded wait, or 503"
+    )
     fallback_wait_s: float = Field(0.5, ge=0, description="bound of the 'wait' policy")
     fabric: Literal["auto", "off", "require"] = Field(
-        "auto", description="FABRIC handles for multi-node NVLink: probe, never, or must work")
+        "auto", description="FABRIC handles for multi-node NVLink: probe, never, or must work"
+    )
     reap_interval_s: float = Field(0.02, gt=0, description="how often acks and deadlines are read")
 
     # Hand-off socket
-    socket_path: Path = Field(default_factory=default_socket_path,
-                              description="Unix socket consumers attach to")
+    socket_path: Path = Field(
+        default_factory=default_socket_path, description="Unix socket consumers attach to"
+    )
     socket_allowed_uids: list[int] = Field(
-        default_factory=list, description="peer uids allowed; empty means this process's uid")
+        default_factory=list, description="peer uids allowed; empty means this process's uid"
+    )
     socket_allowed_gids: list[int] = Field(default_factory=list, description="peer gids allowed")
     socket_token: SecretStr | None = Field(None, description="shared secret consumers must send")
 
@@ -65,13 +74,17 @@ class Settings(BaseSettings):
     encoder: str = Field("vit-b16-224", description="built-in encoder preset")
     encoder_weights: Path | None = Field(None, description="local safetensors file for the encoder")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU")
+        "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU"
+    )
     encoder_compile: bool = Field(
-        False, description="torch.compile the encoder on CUDA (a few % faster, slower start)")
+        False, description="torch.compile the encoder on CUDA (a few % faster, slower start)"
+    )
     encoder_cuda_graphs: bool = Field(
-        True, description="replay a captured CUDA graph per padded batch size (CUDA only)")
+        True, description="replay a captured CUDA graph per padded batch size (CUDA only)"
+    )
     gpu_decode: Literal["auto", "on", "off"] = Field(
-        "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never")
+        "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never"
+    )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
     queue_size: int = Field(256, gt=0, description="images waiting at most; beyond -> 429")

@@ -76,8 +76,14 @@ class _HostSlab:
 
 
 class FeatureClient:
-    def __init__(self, socket_path: str | os.PathLike[str], *, token: str | None = None,
-                 device: torch.device | str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self.token = token
         self.device = torch.device(device) if device is not None else None
@@ -94,9 +100,14 @@ class FeatureClient:
     # ---- attach ----------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, socket_path: str | os.PathLike[str], *, token: str | None = None,
-                device: torch.device | str | None = None,
-                timeout_s: float = 10.0) -> FeatureClient:
+    def connect(
+        cls,
+        socket_path: str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 10.0,
+    ) -> FeatureClient:
         """Attach to a producer: receive the control block and slab FDs once and map them."""
         client = cls(socket_path, token=token, device=device, timeout_s=timeout_s)
         client._attach()
@@ -195,8 +206,7 @@ class FeatureClient:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"lease {desc['lease_id']} not ready after {timeout_s}s")
                 time.sleep(0.0001)
-        return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]),
-                              tuple(desc["shape"]))
+        return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
 
     def is_current(self, lease: LeaseRef) -> bool:
         """True while the lease still owns its slot. Check it after reading if the deadline may
@@ -204,7 +214,8 @@ class FeatureClient:
         desc = self._descriptor(lease)
         assert self._ctrl is not None
         return desc["epoch"] == self.epoch and self._ctrl.gen(int(desc["slot"])) == int(
-            desc["generation"])
+            desc["generation"]
+        )
 
     def release(self, lease: LeaseRef) -> None:
         """Tell the producer you are done. Writes the ack word (stream-ordered on the GPU tier);
@@ -246,7 +257,8 @@ class FeatureClient:
             )
         if self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
             raise StaleLease(
-                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)")
+                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)"
+            )
         return self._ctrl
 
     def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +271,8 @@ class FeatureClient:
             except (ConnectionError, BrokenPipeError) as e:
                 raise PoolRestarted(
                     f"the producer closed the hand-off connection ({e}); it may have restarted: "
-                    f"call reattach()") from e
+                    f"call reattach()"
+                ) from e
         _raise_if_error(reply)
         return reply
 
@@ -285,8 +298,12 @@ class FeatureClient:
     def __enter__(self) -> FeatureClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 

@@ -62,16 +62,17 @@ def load_bindings() -> Any:
     except ImportError as e:
         raise CudaUnavailable(
             f"cuda-bindings is not installed ({e}): pip install 'featpool[cuda]', or "
-            f"{NO_DRIVER_HINT}") from e
+            f"{NO_DRIVER_HINT}"
+        ) from e
     try:
         (err,) = cu.cuInit(0)
     except Exception as e:  # cuda.pathfinder's DynamicLibNotFoundError (a RuntimeError) and kin
         raise CudaUnavailable(
-            f"no NVIDIA driver found (libcuda could not be loaded: {e}); {NO_DRIVER_HINT}") from e
+            f"no NVIDIA driver found (libcuda could not be loaded: {e}); {NO_DRIVER_HINT}"
+        ) from e
     if err:
         name = cu.CUresult(int(err)).name
-        raise CudaUnavailable(
-            f"no usable NVIDIA GPU: cuInit failed with {name}; {NO_DRIVER_HINT}")
+        raise CudaUnavailable(f"no usable NVIDIA GPU: cuInit failed with {name}; {NO_DRIVER_HINT}")
     return cu
 
 
@@ -104,8 +105,12 @@ class Driver:
         """Make the primary context current on this thread (once per thread)."""
         if getattr(self._tls, "ctx", None) is not self._ctx or self._ctx is None:
             if self._ctx is None:
-                raise CudaError("cuCtxSetCurrent", 201, "CUDA_ERROR_INVALID_CONTEXT",
-                                "Driver.use_device() was not called")
+                raise CudaError(
+                    "cuCtxSetCurrent",
+                    201,
+                    "CUDA_ERROR_INVALID_CONTEXT",
+                    "Driver.use_device() was not called",
+                )
             self._check("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self._ctx))
             self._tls.ctx = self._ctx
 
@@ -152,14 +157,18 @@ class Driver:
     def granularity(self, ordinal: int, handle_types: HandleType) -> int:
         self._current()
         option = self.cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity",
-                               self.cu.cuMemGetAllocationGranularity(
-                                   self._prop(ordinal, handle_types), option)))
+        return int(
+            self._check(
+                "cuMemGetAllocationGranularity",
+                self.cu.cuMemGetAllocationGranularity(self._prop(ordinal, handle_types), option),
+            )
+        )
 
     def mem_create(self, size: int, ordinal: int, handle_types: HandleType) -> Any:
         self._current()
-        return self._check("cuMemCreate",
-                           self.cu.cuMemCreate(size, self._prop(ordinal, handle_types), 0))
+        return self._check(
+            "cuMemCreate", self.cu.cuMemCreate(size, self._prop(ordinal, handle_types), 0)
+        )
 
     def mem_release(self, handle: Any) -> None:
         self._current()
@@ -167,8 +176,9 @@ class Driver:
 
     def address_reserve(self, size: int, alignment: int) -> int:
         self._current()
-        return int(self._check("cuMemAddressReserve",
-                               self.cu.cuMemAddressReserve(size, alignment, 0, 0)))
+        return int(
+            self._check("cuMemAddressReserve", self.cu.cuMemAddressReserve(size, alignment, 0, 0))
+        )
 
     def address_free(self, ptr: int, size: int) -> None:
         self._current()
@@ -188,8 +198,11 @@ class Driver:
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = ordinal
-        desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
-                      else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        desc.flags = (
+            cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            if read_only
+            else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        )
         self._check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, [desc], 1))
 
     # ---- shareable handles -----------------------------------------------------------------
@@ -197,22 +210,29 @@ class Driver:
     def export_fd(self, handle: Any) -> int:
         self._current()
         kind = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return int(self._check("cuMemExportToShareableHandle",
-                               self.cu.cuMemExportToShareableHandle(handle, kind, 0)))
+        return int(
+            self._check(
+                "cuMemExportToShareableHandle",
+                self.cu.cuMemExportToShareableHandle(handle, kind, 0),
+            )
+        )
 
     def export_fabric(self, handle: Any) -> bytes:
         self._current()
         kind = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
-        fabric = self._check("cuMemExportToShareableHandle(FABRIC)",
-                             self.cu.cuMemExportToShareableHandle(handle, kind, 0))
+        fabric = self._check(
+            "cuMemExportToShareableHandle(FABRIC)",
+            self.cu.cuMemExportToShareableHandle(handle, kind, 0),
+        )
         return bytes(fabric.data)
 
     def import_fd(self, fd: int) -> Any:
         self._current()
         kind = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         # The FD travels in the pointer-sized argument itself, as in C: (void *)(uintptr_t)fd.
-        return self._check("cuMemImportFromShareableHandle",
-                           self.cu.cuMemImportFromShareableHandle(fd, kind))
+        return self._check(
+            "cuMemImportFromShareableHandle", self.cu.cuMemImportFromShareableHandle(fd, kind)
+        )
 
     def import_fabric(self, data: bytes) -> Any:
         self._current()
@@ -221,8 +241,10 @@ class Driver:
         fabric = self.cu.CUmemFabricHandle()
         fabric.data = data
         kind = self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
-        return self._check("cuMemImportFromShareableHandle(FABRIC)",
-                           self.cu.cuMemImportFromShareableHandle(fabric.getPtr(), kind))
+        return self._check(
+            "cuMemImportFromShareableHandle(FABRIC)",
+            self.cu.cuMemImportFromShareableHandle(fabric.getPtr(), kind),
+        )
 
     # ---- host-mapped control words ---------------------------------------------------------
 
@@ -237,8 +259,9 @@ class Driver:
 
     def host_device_pointer(self, addr: int) -> int:
         self._current()
-        return int(self._check("cuMemHostGetDevicePointer",
-                               self.cu.cuMemHostGetDevicePointer(addr, 0)))
+        return int(
+            self._check("cuMemHostGetDevicePointer", self.cu.cuMemHostGetDevicePointer(addr, 0))
+        )
 
     # ---- stream memory operations (the hot path: no allocation beyond the call) ------------
 

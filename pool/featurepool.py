@@ -134,8 +134,9 @@ class FeaturePool:
             raise result
         return result
 
-    def put_many(self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
-                 ) -> list[Lease | PoolError]:
+    def put_many(
+        self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
+    ) -> list[Lease | PoolError]:
         """``put`` for a batch: one result per tensor, a lease or the error that tensor met.
 
         A backend with ``publish_many`` publishes the whole batch in one go (on the GPU: one
@@ -164,13 +165,19 @@ class FeaturePool:
             try:
                 publish_many = getattr(backend, "publish_many", None)
                 if publish_many is not None:
-                    publish_many([(lease.extent, tensor, lease.slot, lease.generation)
-                                  for _, lease, tensor in items], self.ctrl)
+                    publish_many(
+                        [
+                            (lease.extent, tensor, lease.slot, lease.generation)
+                            for _, lease, tensor in items
+                        ],
+                        self.ctrl,
+                    )
                 else:
                     for _, lease, tensor in items:
                         assert lease.extent is not None
-                        backend.publish(lease.extent, tensor, self.ctrl, lease.slot,
-                                        lease.generation)
+                        backend.publish(
+                            lease.extent, tensor, self.ctrl, lease.slot, lease.generation
+                        )
             except BaseException:
                 with self._lock:
                     for lease in (r for r in results if isinstance(r, Lease)):
@@ -197,8 +204,10 @@ class FeaturePool:
 
     def _reserve(self, tensor: torch.Tensor, nbytes: int, ttl: float) -> tuple[Lease, Tier | None]:
         candidates = self._candidates(tensor)
-        if candidates and all(nbytes > t.allocator.max_extent for t in candidates) and (
-            self.policy != "fallback"
+        if (
+            candidates
+            and all(nbytes > t.allocator.max_extent for t in candidates)
+            and (self.policy != "fallback")
         ):
             raise TensorTooLarge(
                 f"{nbytes} bytes is larger than a whole slab "
@@ -246,11 +255,18 @@ class FeaturePool:
                 self._freed.wait(timeout=min(remaining, 0.01))
                 reaped = False
 
-    def _lease_locked(self, tier: Tier, extent: Extent, tensor: torch.Tensor, nbytes: int,
-                      ttl: float) -> Lease:
+    def _lease_locked(
+        self, tier: Tier, extent: Extent, tensor: torch.Tensor, nbytes: int, ttl: float
+    ) -> Lease:
         try:
-            lease = self.leases.reserve(tier=tier.name, extent=extent, shape=tuple(tensor.shape),
-                                        dtype=dtype_name(tensor.dtype), nbytes=nbytes, ttl_s=ttl)
+            lease = self.leases.reserve(
+                tier=tier.name,
+                extent=extent,
+                shape=tuple(tensor.shape),
+                dtype=dtype_name(tensor.dtype),
+                nbytes=nbytes,
+                ttl_s=ttl,
+            )
         except BaseException:
             tier.allocator.free(extent)
             raise
@@ -264,8 +280,14 @@ class FeaturePool:
                 f"every tier is full and inline storage is at its limit "
                 f"({self.inline_bytes} of {self.inline_max_bytes} bytes)"
             )
-        lease = self.leases.reserve(tier=INLINE, extent=None, shape=tuple(tensor.shape),
-                                    dtype=dtype_name(tensor.dtype), nbytes=nbytes, ttl_s=ttl)
+        lease = self.leases.reserve(
+            tier=INLINE,
+            extent=None,
+            shape=tuple(tensor.shape),
+            dtype=dtype_name(tensor.dtype),
+            nbytes=nbytes,
+            ttl_s=ttl,
+        )
         lease.inline = tensor.to("cpu", copy=True)
         self.inline_bytes += nbytes
         self.ctrl.set_gen(lease.slot, lease.generation)
@@ -312,7 +334,8 @@ class FeaturePool:
                 return lease.inline  # type: ignore[no-any-return]
             assert lease.extent is not None
             view = self.tier(lease.tier).backend.view(
-                lease.extent, parse_dtype(lease.dtype), lease.shape)
+                lease.extent, parse_dtype(lease.dtype), lease.shape
+            )
         # Copy outside the lock (it can be large); the GPU copy follows the producer stream, so
         # it sees the published bytes.
         out = view.to("cpu", copy=True)
@@ -415,8 +438,11 @@ class FeaturePool:
                 "max_leases": self.leases.max_slots,
                 "leases_active": len(self.leases),
                 "tiers": tiers,
-                "inline": {"used_bytes": self.inline_bytes, "capacity_bytes": self.inline_max_bytes,
-                           "leases_active": active[INLINE]},
+                "inline": {
+                    "used_bytes": self.inline_bytes,
+                    "capacity_bytes": self.inline_max_bytes,
+                    "leases_active": active[INLINE],
+                },
                 "created": dict(self.created),
                 "released": dict(self.released),
                 "expired": dict(self.expired),

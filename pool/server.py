@@ -63,12 +63,17 @@ class HandoffServer:
             sock.close()
             raise
         self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, name="featpool-handoff",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="featpool-handoff", daemon=True
+        )
         self._thread.start()
-        log.info("hand-off socket listening at %s (uids %s, gids %s, token %s)", self.path,
-                 sorted(self.allowed_uids), sorted(self.allowed_gids),
-                 "required" if self.token else "off")
+        log.info(
+            "hand-off socket listening at %s (uids %s, gids %s, token %s)",
+            self.path,
+            sorted(self.allowed_uids),
+            sorted(self.allowed_gids),
+            "required" if self.token else "off",
+        )
 
     def _remove_stale_socket(self) -> None:
         try:
@@ -118,8 +123,9 @@ class HandoffServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 break
-            threading.Thread(target=self._serve, args=(conn,), name="featpool-consumer",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="featpool-consumer", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         attached = False
@@ -136,9 +142,14 @@ class HandoffServer:
                 send_msg(conn, _error("protocol_error", "the first message must be 'hello'"))
                 return
             if msg.get("version") != PROTOCOL_VERSION:
-                send_msg(conn, _error("protocol_error",
-                                      f"protocol version {msg.get('version')!r} unsupported; "
-                                      f"this server speaks {PROTOCOL_VERSION}"))
+                send_msg(
+                    conn,
+                    _error(
+                        "protocol_error",
+                        f"protocol version {msg.get('version')!r} unsupported; "
+                        f"this server speaks {PROTOCOL_VERSION}",
+                    ),
+                )
                 return
             # Compared as bytes: compare_digest refuses non-ASCII str (a peer could send one).
             given = str(msg.get("token", "")).encode()
@@ -179,10 +190,17 @@ class HandoffServer:
         slabs: list[dict[str, Any]] = []
         fds = [self.pool.ctrl.fd]
         for tier in self.pool.tiers:
-            for i, (fd, size) in enumerate(zip(tier.backend.slab_fds(), tier.backend.slab_sizes,
-                                               strict=True)):
-                slabs.append({"tier": tier.name, "transport": tier.backend.transport,
-                              "index": i, "size": size})
+            for i, (fd, size) in enumerate(
+                zip(tier.backend.slab_fds(), tier.backend.slab_sizes, strict=True)
+            ):
+                slabs.append(
+                    {
+                        "tier": tier.name,
+                        "transport": tier.backend.transport,
+                        "index": i,
+                        "size": size,
+                    }
+                )
                 fds.append(fd)
         msg: dict[str, Any] = {
             "op": "welcome",

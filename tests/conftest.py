@@ -25,8 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def image_bytes(fmt: str = "JPEG", size: tuple[int, int] = (96, 64), mode: str = "RGB",
-                seed: int = 0, **save: object) -> bytes:
+def image_bytes(
+    fmt: str = "JPEG",
+    size: tuple[int, int] = (96, 64),
+    mode: str = "RGB",
+    seed: int = 0,
+    **save: object,
+) -> bytes:
     """A real image with photo-like noise (not a flat colour: compressors treat those kindly)."""
     rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4, "L": 1, "CMYK": 4, "LA": 2}[mode]
@@ -55,9 +60,17 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(encoder="tiny-test", device="cpu", socket_path=tmp_path / "featpool.sock",
-                    host_pool_bytes=8 << 20, slab_bytes=4 << 20, inline_max_bytes=1 << 20,
-                    max_batch_wait_ms=2.0, reap_interval_s=0.01, decode_workers=2)
+    return Settings(
+        encoder="tiny-test",
+        device="cpu",
+        socket_path=tmp_path / "featpool.sock",
+        host_pool_bytes=8 << 20,
+        slab_bytes=4 << 20,
+        inline_max_bytes=1 << 20,
+        max_batch_wait_ms=2.0,
+        reap_interval_s=0.01,
+        decode_workers=2,
+    )
 
 
 @pytest.fixture
@@ -66,9 +79,17 @@ def make_client(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     opened: list[TestClient] = []
 
     def make(**overrides: object) -> TestClient:
-        base = dict(encoder="tiny-test", device="cpu", socket_path=tmp_path / "featpool.sock",
-                    host_pool_bytes=8 << 20, slab_bytes=4 << 20, inline_max_bytes=1 << 20,
-                    max_batch_wait_ms=2.0, reap_interval_s=0.01, decode_workers=2)
+        base = dict(
+            encoder="tiny-test",
+            device="cpu",
+            socket_path=tmp_path / "featpool.sock",
+            host_pool_bytes=8 << 20,
+            slab_bytes=4 << 20,
+            inline_max_bytes=1 << 20,
+            max_batch_wait_ms=2.0,
+            reap_interval_s=0.01,
+            decode_workers=2,
+        )
         base.update(overrides)
         client = TestClient(create_app(Settings(**base)))  # type: ignore[arg-type]
         client.__enter__()

@@ -22,8 +22,9 @@ def files(*images: tuple[str, bytes, str]) -> list[tuple[str, tuple[str, bytes, 
 
 def test_encode_multipart_jpeg_and_png(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    r = c.post("/v1/encode",
-               files=files(("a.jpg", JPEG, "image/jpeg"), ("b.png", PNG, "image/png")))
+    r = c.post(
+        "/v1/encode", files=files(("a.jpg", JPEG, "image/jpeg"), ("b.png", PNG, "image/png"))
+    )
     assert r.status_code == 200, r.text
     items = r.json()["items"]
     assert [i["shape"] for i in items] == [[17, 64], [17, 64]]
@@ -48,27 +49,37 @@ def test_encode_raw_body_and_tensor_endpoint(make_client: Callable[..., TestClie
 
 def test_same_image_gives_same_features(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    ids = [c.post("/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"})
-           .json()["items"][0]["lease_id"] for _ in range(2)]
+    ids = [
+        c.post("/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"}).json()["items"][
+            0
+        ]["lease_id"]
+        for _ in range(2)
+    ]
     a, b = (load(c.get(f"/v1/leases/{i}/tensor").content)["features"] for i in ids)
     assert torch.allclose(a, b, atol=1e-5)
-    other = c.post("/v1/encode", content=image_bytes(seed=1),
-                   headers={"content-type": "image/jpeg"}).json()["items"][0]["lease_id"]
+    other = c.post(
+        "/v1/encode", content=image_bytes(seed=1), headers={"content-type": "image/jpeg"}
+    ).json()["items"][0]["lease_id"]
     assert not torch.allclose(a, load(c.get(f"/v1/leases/{other}/tensor").content)["features"])
 
 
 def test_lease_lifecycle_get_renew_delete(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    lid = c.post("/v1/encode", content=PNG, headers={"content-type": "image/png"}
-                 ).json()["items"][0]["lease_id"]
+    lid = c.post("/v1/encode", content=PNG, headers={"content-type": "image/png"}).json()["items"][
+        0
+    ]["lease_id"]
     got = c.get(f"/v1/leases/{lid}").json()
     assert got["state"] == "ready"
     renewed = c.post(f"/v1/leases/{lid}/renew", json={"ttl_s": 500}).json()
     assert renewed["ttl_s"] == 500 and renewed["expires_at"] > got["expires_at"]
     assert c.delete(f"/v1/leases/{lid}").status_code == 204
     assert occupancy(c) == (0, 0)
-    for method, path in (("get", f"/v1/leases/{lid}"), ("delete", f"/v1/leases/{lid}"),
-                         ("get", f"/v1/leases/{lid}/tensor"), ("post", f"/v1/leases/{lid}/renew")):
+    for method, path in (
+        ("get", f"/v1/leases/{lid}"),
+        ("delete", f"/v1/leases/{lid}"),
+        ("get", f"/v1/leases/{lid}/tensor"),
+        ("post", f"/v1/leases/{lid}/renew"),
+    ):
         r = getattr(c, method)(path)
         assert r.status_code == 410 and r.json()["error"]["type"] == "lease_released"
 
@@ -79,8 +90,9 @@ def test_unknown_and_expired_leases(make_client: Callable[..., TestClient]) -> N
     c = make_client()
     r = c.get("/v1/leases/deadbeef")
     assert r.status_code == 404 and r.json()["error"]["type"] == "lease_not_found"
-    lid = c.post("/v1/encode?ttl_s=0.05", content=JPEG,
-                 headers={"content-type": "image/jpeg"}).json()["items"][0]["lease_id"]
+    lid = c.post(
+        "/v1/encode?ttl_s=0.05", content=JPEG, headers={"content-type": "image/jpeg"}
+    ).json()["items"][0]["lease_id"]
     time.sleep(0.2)
     r = c.get(f"/v1/leases/{lid}")
     assert r.status_code == 410 and r.json()["error"]["type"] == "lease_expired"
@@ -88,31 +100,61 @@ def test_unknown_and_expired_leases(make_client: Callable[..., TestClient]) -> N
 
 
 BAD_INPUTS: list[tuple[str, dict[str, object], int, str]] = [
-    ("not an image", {"content": b"hello, world" * 10,
-                      "headers": {"content-type": "image/jpeg"}}, 400, "invalid_image"),
-    ("truncated jpeg", {"content": JPEG[: len(JPEG) // 2],
-                        "headers": {"content-type": "image/jpeg"}}, 400, "invalid_image"),
-    ("empty body", {"content": b"", "headers": {"content-type": "image/png"}}, 400,
-     "empty_image"),
-    ("wrong content type", {"content": JPEG, "headers": {"content-type": "text/plain"}}, 415,
-     "unsupported_media_type"),
-    ("multipart without image", {"files": [("photo", ("a.jpg", JPEG, "image/jpeg"))]}, 422,
-     "validation_error"),
-    ("multipart part of wrong type", {"files": files(("a.txt", b"hi", "text/plain"))}, 415,
-     "unsupported_media_type"),
-    ("multipart empty part", {"files": files(("a.jpg", b"", "image/jpeg"))}, 400,
-     "empty_image"),
-    ("one bad part spoils the request", {"files": files(
-        ("a.jpg", JPEG, "image/jpeg"), ("b.jpg", b"\xff\xd8\xffgarbage", "image/jpeg"))},
-     400, "invalid_image"),
+    (
+        "not an image",
+        {"content": b"hello, world" * 10, "headers": {"content-type": "image/jpeg"}},
+        400,
+        "invalid_image",
+    ),
+    (
+        "truncated jpeg",
+        {"content": JPEG[: len(JPEG) // 2], "headers": {"content-type": "image/jpeg"}},
+        400,
+        "invalid_image",
+    ),
+    ("empty body", {"content": b"", "headers": {"content-type": "image/png"}}, 400, "empty_image"),
+    (
+        "wrong content type",
+        {"content": JPEG, "headers": {"content-type": "text/plain"}},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "multipart without image",
+        {"files": [("photo", ("a.jpg", JPEG, "image/jpeg"))]},
+        422,
+        "validation_error",
+    ),
+    (
+        "multipart part of wrong type",
+        {"files": files(("a.txt", b"hi", "text/plain"))},
+        415,
+        "unsupported_media_type",
+    ),
+    ("multipart empty part", {"files": files(("a.jpg", b"", "image/jpeg"))}, 400, "empty_image"),
+    (
+        "one bad part spoils the request",
+        {
+            "files": files(
+                ("a.jpg", JPEG, "image/jpeg"), ("b.jpg", b"\xff\xd8\xffgarbage", "image/jpeg")
+            )
+        },
+        400,
+        "invalid_image",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "kwargs", "status", "kind"), BAD_INPUTS,
-                         ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("case", "kwargs", "status", "kind"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
 def test_bad_input_is_a_clear_4xx_and_leaks_nothing(
-        make_client: Callable[..., TestClient], case: str, kwargs: dict[str, object],
-        status: int, kind: str) -> None:
+    make_client: Callable[..., TestClient],
+    case: str,
+    kwargs: dict[str, object],
+    status: int,
+    kind: str,
+) -> None:
     c = make_client()
     before = occupancy(c)
     r = c.post("/v1/encode", **kwargs)  # type: ignore[arg-type]
@@ -140,18 +182,20 @@ def test_oversized_body_is_refused(make_client: Callable[..., TestClient]) -> No
 
     def chunks():  # no Content-Length: the limit must hold while streaming
         for i in range(0, len(big), 4096):
-            yield big[i:i + 4096]
+            yield big[i : i + 4096]
 
     r = c.post("/v1/encode", content=chunks(), headers={"content-type": "image/png"})
     assert r.status_code == 413
     assert occupancy(c) == (0, 0)
 
 
-def test_oversized_single_image_and_too_many_parts(
-        make_client: Callable[..., TestClient]) -> None:
+def test_oversized_single_image_and_too_many_parts(make_client: Callable[..., TestClient]) -> None:
     c = make_client(max_image_bytes=2000, max_images_per_request=2)
-    r = c.post("/v1/encode", content=image_bytes("PNG", size=(100, 100)),
-               headers={"content-type": "image/png"})
+    r = c.post(
+        "/v1/encode",
+        content=image_bytes("PNG", size=(100, 100)),
+        headers={"content-type": "image/png"},
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "image_too_large"
     small = image_bytes("JPEG", size=(8, 8))
     r = c.post("/v1/encode", files=files(*[("a.jpg", small, "image/jpeg")] * 3))
@@ -200,8 +244,9 @@ def test_pool_full_falls_back_inline_then_503(make_client: Callable[..., TestCli
     assert r.status_code == 503 and r.json()["error"]["type"] == "pool_exhausted"
     assert occupancy(c) == (used, active)  # the failed request left nothing behind
     fallbacks = c.get("/v1/pool").json()["fallbacks"]
-    assert any(f["reason"] == "pool_full" and f["tier"] == "inline" and f["count"] >= 2
-               for f in fallbacks)
+    assert any(
+        f["reason"] == "pool_full" and f["tier"] == "inline" and f["count"] >= 2 for f in fallbacks
+    )
     c.delete(f"/v1/leases/{inline_id}")
     r = c.post("/v1/encode", files=files(tiny))  # room again, inline
     assert r.status_code == 200 and r.json()["items"][0]["tier"] == "inline"
@@ -219,8 +264,11 @@ def test_api_key_guards_v1_but_not_health(make_client: Callable[..., TestClient]
     c = make_client(api_key="k3y")
     r = c.post("/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
-    r = c.post("/v1/encode", content=JPEG,
-               headers={"content-type": "image/jpeg", "authorization": "Bearer k3y"})
+    r = c.post(
+        "/v1/encode",
+        content=JPEG,
+        headers={"content-type": "image/jpeg", "authorization": "Bearer k3y"},
+    )
     assert r.status_code == 200
     assert c.get("/health/ready").status_code == 200
     assert c.get("/metrics").status_code == 200
@@ -238,6 +286,13 @@ def test_health_and_unknown_routes(make_client: Callable[..., TestClient]) -> No
 
 def test_openapi_document_lists_the_api(make_client: Callable[..., TestClient]) -> None:
     paths = make_client().get("/openapi.json").json()["paths"]
-    for p in ("/v1/encode", "/v1/leases/{lease_id}", "/v1/leases/{lease_id}/tensor",
-              "/v1/leases/{lease_id}/renew", "/v1/pool", "/health/live", "/health/ready"):
+    for p in (
+        "/v1/encode",
+        "/v1/leases/{lease_id}",
+        "/v1/leases/{lease_id}/tensor",
+        "/v1/leases/{lease_id}/renew",
+        "/v1/pool",
+        "/health/live",
+        "/health/ready",
+    ):
         assert p in paths

@@ -30,12 +30,14 @@ def test_pooled_is_the_mean_over_tokens(make_client: Callable[..., TestClient]) 
 
 
 @pytest.mark.parametrize(("dtype", "size"), [("float32", 4), ("bfloat16", 2), ("float16", 2)])
-def test_dtype_is_cast_before_publishing(make_client: Callable[..., TestClient], dtype: str,
-                                         size: int) -> None:
+def test_dtype_is_cast_before_publishing(
+    make_client: Callable[..., TestClient], dtype: str, size: int
+) -> None:
     c = make_client()
     ref = c.post("/v1/encode", content=JPEG, headers=HEADERS).json()["items"][0]
-    r = c.post(f"/v1/encode?dtype={dtype}&pooled=1",
-               files=[("image", ("a.jpg", JPEG, "image/jpeg"))] * 2)
+    r = c.post(
+        f"/v1/encode?dtype={dtype}&pooled=1", files=[("image", ("a.jpg", JPEG, "image/jpeg"))] * 2
+    )
     assert r.status_code == 200, r.text
     for item in r.json()["items"]:
         assert item["dtype"] == dtype and item["shape"] == [64] and item["nbytes"] == 64 * size
@@ -45,8 +47,9 @@ def test_dtype_is_cast_before_publishing(make_client: Callable[..., TestClient],
 
 
 @pytest.mark.parametrize("query", ["dtype=int8", "dtype=float64", "pooled=maybe", "dtype="])
-def test_bad_options_are_a_422_and_leak_nothing(make_client: Callable[..., TestClient],
-                                                query: str) -> None:
+def test_bad_options_are_a_422_and_leak_nothing(
+    make_client: Callable[..., TestClient], query: str
+) -> None:
     c = make_client()
     r = c.post(f"/v1/encode?{query}", content=JPEG, headers=HEADERS)
     assert r.status_code == 422, r.text

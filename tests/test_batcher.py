@@ -40,9 +40,13 @@ def run(body: Callable[[Batcher[int, int], Fake], Awaitable[None]], **kw: float)
 
     async def main() -> None:
         b: Batcher[int, int] = Batcher(
-            fake.run, max_batch_size=int(kw.get("max_batch_size", 4)),
-            max_wait_s=kw.get("max_wait_s", 0.05), queue_size=int(kw.get("queue_size", 16)),
-            discard=fake.discarded.append, on_batch=fake.stats.append)
+            fake.run,
+            max_batch_size=int(kw.get("max_batch_size", 4)),
+            max_wait_s=kw.get("max_wait_s", 0.05),
+            queue_size=int(kw.get("queue_size", 16)),
+            discard=fake.discarded.append,
+            on_batch=fake.stats.append,
+        )
         b.start()
         try:
             await body(b, fake)
@@ -84,8 +88,10 @@ def test_full_queue_turns_a_request_away_whole() -> None:
         # the next batch is gathered while the first runs; then the queue fills
         waiting = [asyncio.ensure_future(b.submit([1, 2, 3, 4]))]
         await asyncio.sleep(0.1)
-        waiting += [asyncio.ensure_future(b.submit([5, 6, 7, 8])),
-                    asyncio.ensure_future(b.submit([9, 10, 11]))]
+        waiting += [
+            asyncio.ensure_future(b.submit([5, 6, 7, 8])),
+            asyncio.ensure_future(b.submit([9, 10, 11])),
+        ]
         await asyncio.sleep(0)
         assert b.depth == 7
         with pytest.raises(ApiError) as e:
@@ -124,8 +130,9 @@ def test_cancelled_requests_are_skipped_and_their_results_discarded() -> None:
 
 def test_one_failed_item_fails_its_request_and_discards_the_rest() -> None:
     async def body(b: Batcher[int, int], fake: Fake) -> None:
-        bad, good = await asyncio.gather(b.submit([1, -1, 3]), b.submit([4]),
-                                         return_exceptions=True)
+        bad, good = await asyncio.gather(
+            b.submit([1, -1, 3]), b.submit([4]), return_exceptions=True
+        )
         assert isinstance(bad, ValueError) and good == [8]
 
     fake = run(body, max_batch_size=8, max_wait_s=0.02)
@@ -146,8 +153,7 @@ def test_a_failed_batch_fails_only_its_items_and_the_next_succeeds() -> None:
 
 def test_submit_after_stop_is_not_ready() -> None:
     async def main() -> None:
-        b: Batcher[int, int] = Batcher(lambda v: v, max_batch_size=2, max_wait_s=0.0,
-                                       queue_size=4)
+        b: Batcher[int, int] = Batcher(lambda v: v, max_batch_size=2, max_wait_s=0.0, queue_size=4)
         with pytest.raises(ApiError) as e:
             await b.submit([1])
         assert e.value.status == 503

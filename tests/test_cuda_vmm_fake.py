@@ -50,8 +50,9 @@ class FakeDriver:
     """Same methods as pool.driver.Driver. ``fail`` maps a method name to the CudaError its next
     call raises; ``fabric_permitted`` says whether an IMEX channel exists."""
 
-    def __init__(self, calls: list[tuple[Any, ...]] | None = None, *,
-                 fabric_permitted: bool = False) -> None:
+    def __init__(
+        self, calls: list[tuple[Any, ...]] | None = None, *, fabric_permitted: bool = False
+    ) -> None:
         self.calls: list[tuple[Any, ...]] = calls if calls is not None else []
         self.fabric_permitted = fabric_permitted
         self.fail: dict[str, CudaError] = {}
@@ -84,8 +85,10 @@ class FakeDriver:
 
     def current_context(self) -> int:
         return 0xC0
+
     def primary_context(self) -> int:
         return 0xC0
+
     def pointer_context(self, ptr: int) -> int:
         return 0xC0
 
@@ -141,8 +144,7 @@ class FakeDriver:
     def export_fabric(self, handle: FakeHandle) -> bytes:
         self._call("export_fabric", handle)
         if not self.fabric_permitted or HandleType.FABRIC not in handle.types:
-            raise CudaError("cuMemExportToShareableHandle(FABRIC)", 800,
-                            "CUDA_ERROR_NOT_PERMITTED")
+            raise CudaError("cuMemExportToShareableHandle(FABRIC)", 800, "CUDA_ERROR_NOT_PERMITTED")
         return handle.id.to_bytes(8, "little") + b"\xfa" * 56
 
     def import_fd(self, fd: int) -> FakeHandle:
@@ -155,8 +157,9 @@ class FakeDriver:
     def import_fabric(self, data: bytes) -> FakeHandle:
         self._call("import_fabric", data)
         if not self.fabric_permitted:
-            raise CudaError("cuMemImportFromShareableHandle(FABRIC)", 800,
-                            "CUDA_ERROR_NOT_PERMITTED")
+            raise CudaError(
+                "cuMemImportFromShareableHandle(FABRIC)", 800, "CUDA_ERROR_NOT_PERMITTED"
+            )
         orig = self.live.get(int.from_bytes(data[:8], "little"))
         if orig is not None:
             h = FakeHandle(orig.size, orig.types, orig.mem)
@@ -228,11 +231,23 @@ class FakeRuntime:
         return "GPU-fake-0000"
 
 
-def make(pool_bytes: int = 8 * MiB, slab_bytes: int = 4 * MiB, *, fabric: str = "auto",
-         permitted: bool = False, device: str = "cpu") -> tuple[CudaVmmBackend, FakeDriver]:
+def make(
+    pool_bytes: int = 8 * MiB,
+    slab_bytes: int = 4 * MiB,
+    *,
+    fabric: str = "auto",
+    permitted: bool = False,
+    device: str = "cpu",
+) -> tuple[CudaVmmBackend, FakeDriver]:
     drv = FakeDriver(fabric_permitted=permitted)
-    be = CudaVmmBackend.create(0, pool_bytes, slab_bytes, fabric=fabric,  # type: ignore[arg-type]
-                               driver=drv, rt=FakeRuntime(drv, device))
+    be = CudaVmmBackend.create(
+        0,
+        pool_bytes,
+        slab_bytes,
+        fabric=fabric,  # type: ignore[arg-type]
+        driver=drv,
+        rt=FakeRuntime(drv, device),
+    )
     return be, drv
 
 
@@ -248,8 +263,9 @@ def test_no_driver_is_cuda_unavailable_naming_the_flag(monkeypatch: pytest.Monke
     cu = pytest.importorskip("cuda.bindings.driver")
 
     def no_lib(flags: int) -> Any:
-        raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via '
-                           'system search')  # what cuda.pathfinder raises without a driver
+        raise RuntimeError(
+            '"cuda" is an NVIDIA driver library and can only be found via system search'
+        )  # what cuda.pathfinder raises without a driver
 
     monkeypatch.setattr(cu, "cuInit", no_lib)
     with pytest.raises(CudaUnavailable, match=r"no NVIDIA driver found.*--transport host_shm"):
@@ -282,10 +298,14 @@ def test_check_helper_names_call_and_result() -> None:
     d.use_device(0)
     with pytest.raises(CudaError, match=r"cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE \(1\)") as e:
         d.mem_unmap(0x1000, 4096)
-    assert (e.value.call, e.value.code, e.value.name) == ("cuMemUnmap", 1,
-                                                           "CUDA_ERROR_INVALID_VALUE")
+    assert (e.value.call, e.value.code, e.value.name) == (
+        "cuMemUnmap",
+        1,
+        "CUDA_ERROR_INVALID_VALUE",
+    )
     with pytest.raises(CudaError, match="cuStreamWriteValue32 failed: CUDA_ERROR_NOT_SUPPORTED"):
         d.stream_write_value32(0, 0x1000, 1)
+
     # The primary context is made current once per thread, including threads torch never saw.
     def other_thread() -> None:
         with pytest.raises(CudaError):
@@ -330,13 +350,13 @@ def test_half_made_mapping_is_rolled_back(failing: str) -> None:
     with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
         CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, driver=drv, rt=FakeRuntime(drv))
     names = drv.names()
-    after = names[names.index(failing, names.index("mem_create", names.index("mem_map") + 1)):]
+    after = names[names.index(failing, names.index("mem_create", names.index("mem_map") + 1)) :]
     # Undo of the second slab in reverse, then teardown of the first (synchronize first).
     if failing == "set_access":
         assert after[:4] == ["set_access", "mem_unmap", "address_free", "mem_release"]
     else:
         assert after[:3] == ["mem_map", "address_free", "mem_release"]
-    rest = after[after.index("mem_release") + 1:]
+    rest = after[after.index("mem_release") + 1 :]
     assert rest[:4] == ["synchronize", "mem_unmap", "address_free", "mem_release"]
     assert_nothing_left(drv)
 
@@ -457,8 +477,9 @@ def test_fabric_not_permitted_falls_back_to_posix_fd() -> None:
 def test_fabric_require_fails_start_up_and_leaks_nothing() -> None:
     drv = FakeDriver(fabric_permitted=False)
     with pytest.raises(CudaUnavailable, match=r"fabric=require.*no IMEX channel.*ComputeDomain"):
-        CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, fabric="require", driver=drv,
-                              rt=FakeRuntime(drv))
+        CudaVmmBackend.create(
+            0, 8 * MiB, 4 * MiB, fabric="require", driver=drv, rt=FakeRuntime(drv)
+        )
     assert_nothing_left(drv)
 
 
@@ -484,8 +505,9 @@ def test_fabric_import_without_channel_is_clear() -> None:
 # ---- consumer over the real socket ---------------------------------------------------------
 
 
-def test_consumer_maps_read_only_waits_and_acks(monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path: Any) -> None:
+def test_consumer_maps_read_only_waits_and_acks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     from pool.client import FeatureClient
 
     be, drv = make()
@@ -537,8 +559,12 @@ def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
         seen: list[bool] = []
 
         def all_bytes_in_place() -> None:  # every tensor is copied before any ready write
-            seen.append(all(torch.equal(pool.read(lease.id), t)
-                            for lease, t in zip(pool.leases, ts, strict=True)))
+            seen.append(
+                all(
+                    torch.equal(pool.read(lease.id), t)
+                    for lease, t in zip(pool.leases, ts, strict=True)
+                )
+            )
 
         drv.on_write.append(all_bytes_in_place)
         n0 = len(drv.calls)

@@ -32,9 +32,15 @@ ALERTS = CHART / "files" / "alerts.yaml"
 # Labels Prometheus attaches to every series of a scraped target (ServiceMonitor defaults).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
 # Sample names of a family with no samples yet (`_created` only counts when actually exposed).
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-            "summary": ("_sum", "_count"), "gauge": ("",), "info": ("_info",),
-            "stateset": ("",), "unknown": ("",)}
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+    "gauge": ("",),
+    "info": ("_info",),
+    "stateset": ("",),
+    "unknown": ("",),
+}
 
 METRIC = re.compile(r"\bfeatpool_[A-Za-z0-9_:]*")
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -130,8 +136,9 @@ def alert_rules() -> list[dict[str, Any]]:
 
 
 def all_exprs() -> list[tuple[str, str]]:
-    return ([("dashboard", e) for e in dashboard_exprs()]
-            + [(r["alert"], r["expr"]) for r in alert_rules()])
+    return [("dashboard", e) for e in dashboard_exprs()] + [
+        (r["alert"], r["expr"]) for r in alert_rules()
+    ]
 
 
 EXPR_IDS = [f"{where}-{i}" for i, (where, _) in enumerate(all_exprs())]
@@ -142,17 +149,26 @@ def metrics_in(expr: str) -> list[str]:
 
 
 def grouping_labels(expr: str) -> set[str]:
-    return {label.strip() for group in GROUPING.findall(expr) for label in group.split(",")
-            if label.strip()}
+    return {
+        label.strip()
+        for group in GROUPING.findall(expr)
+        for label in group.split(",")
+        if label.strip()
+    }
 
 
 # ---- the exported names are real --------------------------------------------------------------
 
 
 def test_scenario_exports_the_pool_and_service_families(names: dict[str, set[str]]) -> None:
-    for name in ("featpool_pool_used_bytes", "featpool_pool_capacity_bytes",
-                 "featpool_fallbacks_total", "featpool_leases_expired_total",
-                 "featpool_request_duration_seconds_bucket", "featpool_ready"):
+    for name in (
+        "featpool_pool_used_bytes",
+        "featpool_pool_capacity_bytes",
+        "featpool_fallbacks_total",
+        "featpool_leases_expired_total",
+        "featpool_request_duration_seconds_bucket",
+        "featpool_ready",
+    ):
         assert name in names, name
     assert {"reason", "tier"} <= names["featpool_fallbacks_total"]
     assert "tier" in names["featpool_pool_used_bytes"]
@@ -167,8 +183,9 @@ def test_expressions_were_found() -> None:
 
 
 @pytest.mark.parametrize(("where", "expr"), all_exprs(), ids=EXPR_IDS)
-def test_expression_names_exported_metrics(names: dict[str, set[str]], where: str,
-                                           expr: str) -> None:
+def test_expression_names_exported_metrics(
+    names: dict[str, set[str]], where: str, expr: str
+) -> None:
     used = metrics_in(expr)
     assert used, f"{where}: no featpool_ metric in {expr!r}"
     unknown = sorted(set(used) - set(names))
@@ -206,13 +223,17 @@ def test_dashboard_covers_what_operators_need() -> None:
     dash = json.loads(DASHBOARD.read_text())
     exprs = dashboard_exprs()
     used = {name for e in exprs for name in metrics_in(e)}
-    for name in ("featpool_pool_used_bytes", "featpool_pool_capacity_bytes",  # occupancy
-                 "featpool_fallbacks_total",  # fallback rate by reason
-                 "featpool_request_duration_seconds_bucket",  # latency quantiles
-                 "featpool_images_total",  # throughput
-                 "featpool_batch_size_bucket",  # batch size
-                 "featpool_leases_expired_total",  # lease expiries
-                 "featpool_queue_depth", "featpool_consumers_attached"):
+    for name in (
+        "featpool_pool_used_bytes",
+        "featpool_pool_capacity_bytes",  # occupancy
+        "featpool_fallbacks_total",  # fallback rate by reason
+        "featpool_request_duration_seconds_bucket",  # latency quantiles
+        "featpool_images_total",  # throughput
+        "featpool_batch_size_bucket",  # batch size
+        "featpool_leases_expired_total",  # lease expiries
+        "featpool_queue_depth",
+        "featpool_consumers_attached",
+    ):
         assert name in used, name
     assert any("histogram_quantile(0.5," in e for e in exprs)
     assert any("histogram_quantile(0.99," in e for e in exprs)

@@ -42,11 +42,19 @@ JPEG = image_bytes("JPEG", size=(64, 48))
 
 # ---- helpers (also used by tests/test_fuzz_api.py) -------------------------------------------
 
+
 def small_settings(tmp: Path, **overrides: Any) -> Settings:
     base: dict[str, Any] = dict(
-        encoder="tiny-test", device="cpu", socket_path=tmp / "featpool.sock",
-        host_pool_bytes=8 << 20, slab_bytes=4 << 20, inline_max_bytes=1 << 20,
-        max_batch_wait_ms=2.0, reap_interval_s=0.01, decode_workers=2)
+        encoder="tiny-test",
+        device="cpu",
+        socket_path=tmp / "featpool.sock",
+        host_pool_bytes=8 << 20,
+        slab_bytes=4 << 20,
+        inline_max_bytes=1 << 20,
+        max_batch_wait_ms=2.0,
+        reap_interval_s=0.01,
+        decode_workers=2,
+    )
     base.update(overrides)
     return Settings(**base)
 
@@ -69,8 +77,9 @@ def live_server(settings: Settings, *, encoder: Encoder | None = None) -> Iterat
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -83,8 +92,7 @@ def live_server(settings: Settings, *, encoder: Encoder | None = None) -> Iterat
         sock.close()
 
 
-def wait_until(pred: Callable[[], object], timeout_s: float = 10.0,
-               every_s: float = 0.02) -> bool:
+def wait_until(pred: Callable[[], object], timeout_s: float = 10.0, every_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
@@ -100,19 +108,36 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(sock: Path, log: Path, *args: str
-                   ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def server_process(
+    sock: Path, log: Path, *args: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``python -m app`` (tiny encoder, CPU) on a loopback port; its log goes to ``log``."""
     port = free_port()
-    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock),
-           "FEATPOOL_HOST_POOL_BYTES": "16777216"}
+    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock), "FEATPOOL_HOST_POOL_BYTES": "16777216"}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
-             "--encoder", "tiny-test", "--reap-interval-s", "0.01", *args],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "app",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--encoder",
+                "tiny-test",
+                "--reap-interval-s",
+                "0.01",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
@@ -153,18 +178,25 @@ class SlowEncoder:
 
 
 def multipart_head(boundary: str, filename: str = "a.jpg") -> bytes:
-    return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; "
-            f"filename=\"{filename}\"\r\nContent-Type: image/jpeg\r\n\r\n").encode()
+    return (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="image"; '
+        f'filename="{filename}"\r\nContent-Type: image/jpeg\r\n\r\n'
+    ).encode()
 
 
 def raw_request(port: int, body_len: int, ctype: str) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall((f"POST /v1/encode HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
-               f"Content-Length: {body_len}\r\n\r\n").encode())
+    s.sendall(
+        (
+            f"POST /v1/encode HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {body_len}\r\n\r\n"
+        ).encode()
+    )
     return s
 
 
 # ---- clients that go away ---------------------------------------------------------------------
+
 
 def test_client_disconnecting_mid_upload_leaks_nothing(tmp_path: Path) -> None:
     with live_server(small_settings(tmp_path)) as live:
@@ -181,18 +213,27 @@ def test_client_disconnecting_mid_upload_leaks_nothing(tmp_path: Path) -> None:
             s.close()
         # many parts, the connection dropped in the middle of the tenth
         s = raw_request(port, 64 * len(body), "multipart/form-data; boundary=bNd")
-        s.sendall(b"".join(multipart_head("bNd", f"{i}.jpg") + JPEG + b"\r\n"
-                           for i in range(9)) + multipart_head("bNd") + JPEG[:100])
+        s.sendall(
+            b"".join(multipart_head("bNd", f"{i}.jpg") + JPEG + b"\r\n" for i in range(9))
+            + multipart_head("bNd")
+            + JPEG[:100]
+        )
         s.close()
         engine = live.app.state.engine
         assert wait_until(lambda: engine.batcher.depth == 0)
         time.sleep(0.2)  # let the server notice every disconnect
         assert live.occupancy() == (0, 0)
-        r = httpx.post(f"{live.url}/v1/encode", content=JPEG,
-                       headers={"content-type": "image/jpeg"}, timeout=10)
+        r = httpx.post(
+            f"{live.url}/v1/encode",
+            content=JPEG,
+            headers={"content-type": "image/jpeg"},
+            timeout=10,
+        )
         assert r.status_code == 200
-        assert httpx.delete(f"{live.url}/v1/leases/{r.json()['items'][0]['lease_id']}"
-                            ).status_code == 204
+        assert (
+            httpx.delete(f"{live.url}/v1/leases/{r.json()['items'][0]['lease_id']}").status_code
+            == 204
+        )
         assert live.occupancy() == (0, 0)
         metrics = httpx.get(f"{live.url}/metrics").text
         assert 'featpool_images_total{outcome="encoded"} 1.0' in metrics
@@ -238,8 +279,9 @@ def test_client_hanging_up_while_queued_leaks_nothing(tmp_path: Path) -> None:
     """Over real HTTP: requests whose clients hang up while their images wait behind a slow
     batch must not leave leases behind (not even until their TTL)."""
     slow = SlowEncoder(0.5)
-    with live_server(small_settings(tmp_path, max_batch_size=1, queue_size=64),
-                     encoder=slow) as live:
+    with live_server(
+        small_settings(tmp_path, max_batch_size=1, queue_size=64), encoder=slow
+    ) as live:
         port = int(live.url.rsplit(":", 1)[1])
         socks = []
         for _ in range(4):
@@ -257,6 +299,7 @@ def test_client_hanging_up_while_queued_leaks_nothing(tmp_path: Path) -> None:
 
 
 # ---- the producer dies -------------------------------------------------------------------------
+
 
 def test_producer_sigkill_consumer_keeps_data_and_reattaches(tmp_path: Path) -> None:
     sock, log = tmp_path / "featpool.sock", tmp_path / "server.log"
@@ -278,8 +321,9 @@ def test_producer_sigkill_consumer_keeps_data_and_reattaches(tmp_path: Path) -> 
                 client.lookup(old["lease_id"])
             assert sock.exists()  # SIGKILL left the socket file behind
             with server_process(sock, log) as (url2, _):
-                new = httpx.post(f"{url2}/v1/encode", content=JPEG,
-                                 headers={"content-type": "image/jpeg"}).json()["items"][0]
+                new = httpx.post(
+                    f"{url2}/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"}
+                ).json()["items"][0]
                 assert new["epoch"] != old["epoch"]
                 client.reattach()
                 assert client.epoch == new["epoch"]
@@ -288,8 +332,9 @@ def test_producer_sigkill_consumer_keeps_data_and_reattaches(tmp_path: Path) -> 
                 fresh = client.open(new)
                 assert torch.allclose(fresh, before)  # same image, same features
                 client.release(new)
-                assert wait_until(lambda: httpx.get(f"{url2}/v1/pool").json()[
-                    "leases_active"] == 0, 5)
+                assert wait_until(
+                    lambda: httpx.get(f"{url2}/v1/pool").json()["leases_active"] == 0, 5
+                )
                 assert torch.equal(view, before)  # the old mapping still outlives it all
         finally:
             client.close()
@@ -297,12 +342,29 @@ def test_producer_sigkill_consumer_keeps_data_and_reattaches(tmp_path: Path) -> 
 
 # ---- a short load test ---------------------------------------------------------------------------
 
+
 def test_short_load_test_sees_429s_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     r = subprocess.run(
-        [sys.executable, "bench/load_test.py", "--duration", "8", "--clients", "24",
-         "--queue-size", "4", "--json", str(out), "--socket-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "bench/load_test.py",
+            "--duration",
+            "8",
+            "--clients",
+            "24",
+            "--queue-size",
+            "4",
+            "--json",
+            str(out),
+            "--socket-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["status_counts"].get("200", 0) > 0

@@ -51,19 +51,35 @@ def openapi_document() -> dict[str, Any]:
     doc = create_app(small_settings(Path("/nonexistent"))).openapi()
     assert "multipart/form-data" in doc["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
     # Narrowed for the fuzzer: a few parts at most, and JPEG for raw bodies.
-    doc["paths"]["/v1/encode"]["post"]["requestBody"] = {"content": {
-        "multipart/form-data": {"schema": {
-            "type": "object", "required": ["image"],
-            "properties": {"image": {"type": "array", "minItems": 1, "maxItems": 4,
-                                     "items": {"type": "string", "format": "binary"}}}}},
-        "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
-    }}
+    doc["paths"]["/v1/encode"]["post"]["requestBody"] = {
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["image"],
+                    "properties": {
+                        "image": {
+                            "type": "array",
+                            "minItems": 1,
+                            "maxItems": 4,
+                            "items": {"type": "string", "format": "binary"},
+                        }
+                    },
+                }
+            },
+            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+        }
+    }
     return doc
 
 
 schema = schemathesis.openapi.from_dict(openapi_document())
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +101,15 @@ def created(live: Live) -> Iterator[set[str]]:
 
 @schema.given(real_lease=st.booleans(), real_image=st.booleans())
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
-def test_openapi_fuzz(case: Any, live: Live, created: set[str], real_lease: bool,
-                      real_image: bool) -> None:
+@settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_openapi_fuzz(
+    case: Any, live: Live, created: set[str], real_lease: bool, real_image: bool
+) -> None:
     path = case.operation.path
     if real_lease and "lease_id" in (case.path_parameters or {}):
-        r = httpx.post(f"{live.url}/v1/encode", content=JPEG,
-                       headers={"content-type": "image/jpeg"})
+        r = httpx.post(
+            f"{live.url}/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"}
+        )
         assert r.status_code == 200, r.text
         lid = r.json()["items"][0]["lease_id"]
         created.add(lid)
@@ -111,16 +128,21 @@ def test_openapi_fuzz(case: Any, live: Live, created: set[str], real_lease: bool
 
 
 def test_deeply_nested_json_body_is_a_4xx(live: Live) -> None:
-    r = httpx.post(f"{live.url}/v1/leases/x/renew", content=b"[" * 200_000,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{live.url}/v1/leases/x/renew",
+        content=b"[" * 200_000,
+        headers={"content-type": "application/json"},
+    )
     assert 400 <= r.status_code < 500, r.text
 
 
 # ---- the hand-off socket --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
-def handoff(tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[FeaturePool, HandoffServer]]:
+def handoff(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[FeaturePool, HandoffServer]]:
     pool = FeaturePool([HostShmBackend([1 << 20])], max_leases=16)
     server = HandoffServer(pool, tmp_path_factory.mktemp("hs") / "s.sock", token="t0k3n")
     server.start()
@@ -135,15 +157,23 @@ def frame(body: bytes, length: int | None = None) -> bytes:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
-    max_leaves=12)
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 messages = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
-    st.fixed_dictionaries({"op": st.sampled_from(["hello", "lookup", "renew", "release", "x"])},
-                          optional={"version": json_values, "token": json_values,
-                                    "lease_id": json_values, "ttl_s": json_values,
-                                    "pid": json_values}).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(
+        {"op": st.sampled_from(["hello", "lookup", "renew", "release", "x"])},
+        optional={
+            "version": json_values,
+            "token": json_values,
+            "lease_id": json_values,
+            "ttl_s": json_values,
+            "pid": json_values,
+        },
+    ).map(lambda d: json.dumps(d).encode()),
     st.binary(max_size=64),
     st.just(b"[" * 100_000),
     st.just(b'{"op": "hello", "version": 1, "token": "\\u00e9\\u0000"}'),
@@ -175,13 +205,25 @@ def hello(s: socket.socket) -> None:
     assert msg["op"] == "welcome"
 
 
-@given(after_hello=st.booleans(), payload=st.lists(frames, min_size=1, max_size=3),
-       with_fds=st.booleans(), half_close=st.booleans())
-@settings(max_examples=120, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    after_hello=st.booleans(),
+    payload=st.lists(frames, min_size=1, max_size=3),
+    with_fds=st.booleans(),
+    half_close=st.booleans(),
+)
+@settings(
+    max_examples=120,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 def test_raw_frames_never_hurt_the_server(
-        handoff: tuple[FeaturePool, HandoffServer], after_hello: bool, payload: list[bytes],
-        with_fds: bool, half_close: bool) -> None:
+    handoff: tuple[FeaturePool, HandoffServer],
+    after_hello: bool,
+    payload: list[bytes],
+    with_fds: bool,
+    half_close: bool,
+) -> None:
     pool, server = handoff
     s = connect(server.path)
     try:
@@ -191,8 +233,10 @@ def test_raw_frames_never_hurt_the_server(
         if with_fds:  # SCM_RIGHTS on a request: the server must neither use nor keep them
             r, w = os.pipe()
             try:
-                s.sendmsg([data[:1] or b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                array.array("i", [r, w]))])
+                s.sendmsg(
+                    [data[:1] or b"\0"],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))],
+                )
             finally:
                 os.close(r)
                 os.close(w)
@@ -216,8 +260,7 @@ def test_raw_frames_never_hurt_the_server(
     pool.release(lease.id)
 
 
-def test_fuzzing_leaked_no_fd_and_no_consumer(handoff: tuple[FeaturePool, HandoffServer]
-                                              ) -> None:
+def test_fuzzing_leaked_no_fd_and_no_consumer(handoff: tuple[FeaturePool, HandoffServer]) -> None:
     """Runs after the fuzz (same module fixture): server threads let go of every connection
     and every FD that arrived with a request."""
     pool, server = handoff
@@ -227,8 +270,10 @@ def test_fuzzing_leaked_no_fd_and_no_consumer(handoff: tuple[FeaturePool, Handof
         s = connect(server.path)
         hello(s)
         r, w = os.pipe()
-        s.sendmsg([frame(b'{"op": "lookup", "lease_id": "x"}')],
-                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))])
+        s.sendmsg(
+            [frame(b'{"op": "lookup", "lease_id": "x"}')],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))],
+        )
         os.close(r)
         os.close(w)
         reply, _ = recv_msg(s)
@@ -239,8 +284,9 @@ def test_fuzzing_leaked_no_fd_and_no_consumer(handoff: tuple[FeaturePool, Handof
     assert pool.stats()["leases_active"] == 0
 
 
-def test_non_ascii_token_is_refused_not_crashed(handoff: tuple[FeaturePool, HandoffServer],
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_non_ascii_token_is_refused_not_crashed(
+    handoff: tuple[FeaturePool, HandoffServer], caplog: pytest.LogCaptureFixture
+) -> None:
     _, server = handoff
     s = connect(server.path)
     send_msg(s, {"op": "hello", "version": 1, "token": "t0k3né"})
@@ -250,8 +296,9 @@ def test_non_ascii_token_is_refused_not_crashed(handoff: tuple[FeaturePool, Hand
     assert "hand-off connection failed" not in caplog.text
 
 
-def test_deeply_nested_frame_is_a_protocol_error(handoff: tuple[FeaturePool, HandoffServer]
-                                                 ) -> None:
+def test_deeply_nested_frame_is_a_protocol_error(
+    handoff: tuple[FeaturePool, HandoffServer],
+) -> None:
     _, server = handoff
     s = connect(server.path)
     s.sendall(frame(b"[" * 500_000))
@@ -282,17 +329,33 @@ def test_no_pickle_marshal_eval_or_exec_in_app_and_pool() -> None:
                 found.append(f"{path}:{node.lineno} imports {names}")
             if isinstance(node, ast.Call):
                 f = node.func
-                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(
-                    f, ast.Attribute) else ""
+                name = (
+                    f.id
+                    if isinstance(f, ast.Name)
+                    else f.attr
+                    if isinstance(f, ast.Attribute)
+                    else ""
+                )
                 if (isinstance(f, ast.Name) and name in ("eval", "exec", "__import__")) or (
-                        name in ("load", "loads") and isinstance(f, ast.Attribute)
-                        and isinstance(f.value, ast.Name) and f.value.id in UNSAFE):
+                    name in ("load", "loads")
+                    and isinstance(f, ast.Attribute)
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id in UNSAFE
+                ):
                     found.append(f"{path}:{node.lineno} calls {name}")
                 # torch.load unpickles unless weights_only=True
-                if (name == "load" and isinstance(f, ast.Attribute)
-                        and isinstance(f.value, ast.Name) and f.value.id == "torch"
-                        and not any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
-                                    and k.value.value is True for k in node.keywords)):
+                if (
+                    name == "load"
+                    and isinstance(f, ast.Attribute)
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id == "torch"
+                    and not any(
+                        k.arg == "weights_only"
+                        and isinstance(k.value, ast.Constant)
+                        and k.value.value is True
+                        for k in node.keywords
+                    )
+                ):
                     found.append(f"{path}:{node.lineno} calls torch.load without weights_only")
     assert not found, found
 
@@ -304,21 +367,35 @@ def test_api_key_guards_every_v1_route(tmp_path: Path) -> None:
 
     app = create_app(small_settings(tmp_path, api_key="s3cr3t-key"))
     with TestClient(app) as c:
-        ops = [(m.upper(), p) for p, item in c.get("/openapi.json").json()["paths"].items()
-               for m in item if p.startswith("/v1")]
+        ops = [
+            (m.upper(), p)
+            for p, item in c.get("/openapi.json").json()["paths"].items()
+            for m in item
+            if p.startswith("/v1")
+        ]
         assert len(ops) >= 6
         for method, path in ops:
             url = path.replace("{lease_id}", "0" * 32)
-            for auth in (None, "Bearer wrong-key!", "Bearer s", "s3cr3t-key",
-                         "Bearer s3cr3t-kéy".encode(), "bearer s3cr3t-key"):
+            for auth in (
+                None,
+                "Bearer wrong-key!",
+                "Bearer s",
+                "s3cr3t-key",
+                "Bearer s3cr3t-kéy".encode(),
+                "bearer s3cr3t-key",
+            ):
                 headers: dict[str, str | bytes] = {"content-type": "image/jpeg"}
                 if auth is not None:
                     headers["authorization"] = auth
                 r = c.request(method, url, headers=headers, content=JPEG)
                 assert r.status_code == 401, (method, path, auth, r.status_code)
                 assert r.json()["error"]["type"] == "unauthorized"
-            r = c.request(method, url, content=JPEG, headers={
-                "content-type": "image/jpeg", "authorization": "Bearer s3cr3t-key"})
+            r = c.request(
+                method,
+                url,
+                content=JPEG,
+                headers={"content-type": "image/jpeg", "authorization": "Bearer s3cr3t-key"},
+            )
             assert r.status_code != 401, (method, path)
         for path in ("/health/live", "/health/ready", "/metrics"):
             assert c.get(path).status_code == 200

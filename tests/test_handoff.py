@@ -135,8 +135,13 @@ def test_peer_of_another_uid_is_refused() -> None:
         "except PeerRejected as e:\n    print('REJECTED', e)\n"
     )
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=60, cwd=Path(__file__).parent.parent)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parent.parent,
+        )
         assert "REJECTED" in r.stdout and "uid 65534" in r.stdout, r.stderr
         assert pool.stats()["consumers_attached"] == 0
     finally:
@@ -167,7 +172,8 @@ def test_socket_file_mode_is_0660(served: tuple[FeaturePool, HandoffServer]) -> 
 
 
 def test_malformed_messages_never_kill_the_server(
-        served: tuple[FeaturePool, HandoffServer]) -> None:
+    served: tuple[FeaturePool, HandoffServer],
+) -> None:
     pool, server = served
     garbage = [
         b"\x00\x00\x00\x05hello",  # not JSON
@@ -192,8 +198,12 @@ def test_malformed_messages_never_kill_the_server(
     _, fds = recv_msg(s, want_fds=True)
     for fd in fds:
         os.close(fd)
-    for bad in ({"op": "frobnicate"}, {"op": "lookup"}, {"op": "renew", "lease_id": 5},
-                {"op": "lookup", "lease_id": "nope"}):
+    for bad in (
+        {"op": "frobnicate"},
+        {"op": "lookup"},
+        {"op": "renew", "lease_id": 5},
+        {"op": "lookup", "lease_id": "nope"},
+    ):
         send_msg(s, bad)
         reply, _ = recv_msg(s)
         assert reply["op"] == "error"
@@ -235,7 +245,8 @@ def test_producer_restart_is_detected_and_reattach_works(tmp_path: Path) -> None
 
 
 def test_second_server_on_a_live_socket_is_refused(
-        served: tuple[FeaturePool, HandoffServer]) -> None:
+    served: tuple[FeaturePool, HandoffServer],
+) -> None:
     pool, server = served
     with pytest.raises(HandoffError, match="another featpool server"):
         HandoffServer(pool, server.path).start()

@@ -25,8 +25,12 @@ from packaging.specifiers import SpecifierSet
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "featpool"
 CI_DIR = CHART / "ci"
-CI_FILES = ["default-values.yaml", "daemonset-values.yaml", "monitoring-values.yaml",
-            "fabric-values.yaml"]
+CI_FILES = [
+    "default-values.yaml",
+    "daemonset-values.yaml",
+    "monitoring-values.yaml",
+    "fabric-values.yaml",
+]
 # resource.k8s.io/v1 (DRA) is GA from 1.34.
 KUBE_VERSION = "1.34.0"
 # Custom resources: not in the Kubernetes schemas; their fields are asserted below instead.
@@ -110,16 +114,14 @@ def test_ci_values_files_are_the_expected_ones() -> None:
 
 @pytest.mark.parametrize("values_file", CI_FILES)
 def test_chart_lints_clean(values_file: str) -> None:
-    report = helm.lint(CHART, ci_values(values_file), strict=True,
-                       kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(CHART, ci_values(values_file), strict=True, kube_version=f"v{KUBE_VERSION}")
     assert report["errors"] == []
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert problems == [], problems
 
 
 @pytest.mark.parametrize("values_file", CI_FILES)
-def test_manifests_validate_against_kubernetes_schemas(chart: helm.Chart,
-                                                       values_file: str) -> None:
+def test_manifests_validate_against_kubernetes_schemas(chart: helm.Chart, values_file: str) -> None:
     docs = render(chart, ci_values(values_file))
     assert docs
     for doc in docs:
@@ -136,8 +138,10 @@ def test_manifests_validate_against_kubernetes_schemas(chart: helm.Chart,
         try:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{values_file}: {kind}/{doc['metadata']['name']}: {e.message} "
-                        f"at {list(e.absolute_path)}")
+            pytest.fail(
+                f"{values_file}: {kind}/{doc['metadata']['name']}: {e.message} "
+                f"at {list(e.absolute_path)}"
+            )
 
 
 # ---- the default release ---------------------------------------------------------------------
@@ -150,7 +154,9 @@ def test_default_release(chart: helm.Chart) -> None:
     assert dep["metadata"]["name"] == FULLNAME
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["selector"]["matchLabels"] == {
-        "app.kubernetes.io/name": "featpool", "app.kubernetes.io/instance": RELEASE}
+        "app.kubernetes.io/name": "featpool",
+        "app.kubernetes.io/instance": RELEASE,
+    }
 
     c = container(docs)
     assert c["image"] == "registry.example.com/featpool:0.1.0"  # appVersion when no tag
@@ -160,8 +166,9 @@ def test_default_release(chart: helm.Chart) -> None:
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
 
     svc = one(docs, "Service")
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
-                                     "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
     tolerations = pod_spec(docs)["tolerations"]
@@ -176,8 +183,11 @@ def test_probes_use_the_named_port(chart: helm.Chart) -> None:
         get = c[probe]["httpGet"]
         assert get["port"] == "http", probe
         paths[probe] = get["path"]
-    assert paths == {"startupProbe": "/health/live", "livenessProbe": "/health/live",
-                     "readinessProbe": "/health/ready"}
+    assert paths == {
+        "startupProbe": "/health/live",
+        "livenessProbe": "/health/live",
+        "readinessProbe": "/health/ready",
+    }
     startup = c["startupProbe"]
     # Long enough for a model load (minutes), unlike liveness.
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
@@ -203,8 +213,7 @@ def test_security_context_is_non_root_and_read_only(chart: helm.Chart) -> None:
     assert pod["automountServiceAccountToken"] is False
     # The one root step: chown of the socket directory, with two capabilities and no more.
     (init,) = pod["initContainers"]
-    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
-                                                       "add": ["CHOWN", "FOWNER"]}
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
     assert init["volumeMounts"] == [{"name": "socket", "mountPath": "/run/featpool"}]
 
@@ -224,9 +233,20 @@ def test_socket_directory_is_a_host_path_for_consumers(chart: helm.Chart) -> Non
     cm = one(docs, "ConfigMap")
     assert cm["data"]["FEATPOOL_SOCKET_PATH"] == "/run/featpool/featpool.sock"
 
-    moved = render(chart, merge(IMAGE, {"socket": {"hostPath": "/var/run/fp",
-                                                   "mountPath": "/sock", "prepareDirectory": False,
-                                                   "fileName": "s.sock"}}))
+    moved = render(
+        chart,
+        merge(
+            IMAGE,
+            {
+                "socket": {
+                    "hostPath": "/var/run/fp",
+                    "mountPath": "/sock",
+                    "prepareDirectory": False,
+                    "fileName": "s.sock",
+                }
+            },
+        ),
+    )
     volumes = {v["name"]: v for v in pod_spec(moved)["volumes"]}
     assert volumes["socket"]["hostPath"]["path"] == "/var/run/fp"
     assert one(moved, "ConfigMap")["data"]["FEATPOOL_SOCKET_PATH"] == "/sock/s.sock"
@@ -236,8 +256,14 @@ def test_socket_directory_is_a_host_path_for_consumers(chart: helm.Chart) -> Non
 def test_optional_objects_are_off_by_default(chart: helm.Chart) -> None:
     docs = render(chart, IMAGE)
     present = set(kinds(docs))
-    assert not present & {"ServiceMonitor", "PrometheusRule", "PodDisruptionBudget",
-                          "ResourceClaim", "ResourceClaimTemplate", "ComputeDomain"}
+    assert not present & {
+        "ServiceMonitor",
+        "PrometheusRule",
+        "PodDisruptionBudget",
+        "ResourceClaim",
+        "ResourceClaimTemplate",
+        "ComputeDomain",
+    }
     assert not [d for d in docs if d["metadata"]["labels"].get("grafana_dashboard")]
 
 
@@ -281,14 +307,16 @@ def test_every_setting_is_configurable(chart: helm.Chart) -> None:
     fields = set(Settings.model_fields)
     assert set(config) - fields == set(), "config keys the service does not know"
     assert fields - set(config) - CHART_MANAGED_SETTINGS == set(), (
-        "settings the chart cannot set: add them to values.yaml config (and the schema)")
+        "settings the chart cannot set: add them to values.yaml config (and the schema)"
+    )
     data = one(render(chart, IMAGE), "ConfigMap")["data"]
     expected = {f"FEATPOOL_{k.upper()}" for k, v in config.items() if v is not None}
     assert set(data) == expected | {"FEATPOOL_SOCKET_PATH"}
 
 
-def test_default_settings_parse_in_the_service(chart: helm.Chart,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_settings_parse_in_the_service(
+    chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = container_settings(render(chart, IMAGE), monkeypatch)
     assert s.host == "0.0.0.0" and s.port == 8000
     assert str(s.socket_path) == "/run/featpool/featpool.sock"
@@ -303,8 +331,9 @@ def test_default_settings_parse_in_the_service(chart: helm.Chart,
     assert s.api_key is None and s.socket_token is None
 
 
-def test_daemonset_settings_parse_in_the_service(chart: helm.Chart,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_daemonset_settings_parse_in_the_service(
+    chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = container_settings(render(chart, ci_values("daemonset-values.yaml")), monkeypatch)
     assert s.transport == "cuda_vmm"
     assert s.pool_bytes == 8 << 30
@@ -312,8 +341,9 @@ def test_daemonset_settings_parse_in_the_service(chart: helm.Chart,
     assert s.api_key is not None and s.socket_token is not None
 
 
-def test_fabric_settings_parse_in_the_service(chart: helm.Chart,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fabric_settings_parse_in_the_service(
+    chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = container_settings(render(chart, ci_values("fabric-values.yaml")), monkeypatch)
     assert s.fabric == "require"
 
@@ -323,8 +353,13 @@ def test_fabric_settings_parse_in_the_service(chart: helm.Chart,
 
 def test_daemonset_release(chart: helm.Chart) -> None:
     docs = render(chart, ci_values("daemonset-values.yaml"))
-    assert kinds(docs) == ["ConfigMap", "DaemonSet", "PodDisruptionBudget", "Service",
-                           "ServiceAccount"]
+    assert kinds(docs) == [
+        "ConfigMap",
+        "DaemonSet",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceAccount",
+    ]
     ds = one(docs, "DaemonSet")
     assert "replicas" not in ds["spec"]
     assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
@@ -349,27 +384,40 @@ def test_daemonset_release(chart: helm.Chart) -> None:
 
 def test_monitoring_release(chart: helm.Chart) -> None:
     docs = render(chart, ci_values("monitoring-values.yaml"))
-    assert kinds(docs) == ["ConfigMap", "ConfigMap", "Deployment", "PrometheusRule", "Service",
-                           "ServiceAccount", "ServiceMonitor"]
+    assert kinds(docs) == [
+        "ConfigMap",
+        "ConfigMap",
+        "Deployment",
+        "PrometheusRule",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+    ]
     assert container(docs)["image"] == (
         "registry.example.com/featpool@sha256:"
-        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    )
 
     sm = one(docs, "ServiceMonitor")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
-                                        "scrapeTimeout": "10s"}]
+    assert sm["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
     svc = one(docs, "Service")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
-    dash = next(d for d in docs if d["kind"] == "ConfigMap"
-                and d["metadata"]["labels"].get("grafana_dashboard") == "1")
+    dash = next(
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard") == "1"
+    )
     assert dash["metadata"]["namespace"] == "monitoring"
     assert dash["metadata"]["annotations"] == {"grafana_folder": "featpool"}
     assert json.loads(dash["data"]["featpool.json"]) == json.loads(
-        (CHART / "files" / "dashboard.json").read_text())
+        (CHART / "files" / "dashboard.json").read_text()
+    )
 
     rule = one(docs, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
@@ -381,8 +429,14 @@ def test_monitoring_release(chart: helm.Chart) -> None:
 
 def test_fabric_release(chart: helm.Chart) -> None:
     docs = render(chart, ci_values("fabric-values.yaml"))
-    assert kinds(docs) == ["ComputeDomain", "ConfigMap", "Deployment", "ResourceClaimTemplate",
-                           "Service", "ServiceAccount"]
+    assert kinds(docs) == [
+        "ComputeDomain",
+        "ConfigMap",
+        "Deployment",
+        "ResourceClaimTemplate",
+        "Service",
+        "ServiceAccount",
+    ]
     assert one(docs, "ConfigMap")["data"]["FEATPOOL_FABRIC"] == "require"
 
     cd = one(docs, "ComputeDomain")
@@ -413,15 +467,27 @@ def test_shared_gpu_claim_for_consumer_pods(chart: helm.Chart) -> None:
     kubernetes_validate.validate(claim, KUBE_VERSION, strict=True)
     assert claim["metadata"]["name"] == f"{FULLNAME}-gpu"
     assert pod_spec(docs)["resourceClaims"] == [
-        {"name": "gpu", "resourceClaimName": f"{FULLNAME}-gpu"}]
+        {"name": "gpu", "resourceClaimName": f"{FULLNAME}-gpu"}
+    ]
     assert f'ResourceClaim "{FULLNAME}-gpu"' in notes(
-        chart, merge(IMAGE, {"dra": {"gpu": {"enabled": True}}}))
+        chart, merge(IMAGE, {"dra": {"gpu": {"enabled": True}}})
+    )
 
-    existing = render(chart, merge(IMAGE, {"dra": {"gpu": {
-        "enabled": True, "source": "existingClaim", "claimName": "team-gpu-0"}}}))
+    existing = render(
+        chart,
+        merge(
+            IMAGE,
+            {
+                "dra": {
+                    "gpu": {"enabled": True, "source": "existingClaim", "claimName": "team-gpu-0"}
+                }
+            },
+        ),
+    )
     assert "ResourceClaim" not in kinds(existing)
     assert pod_spec(existing)["resourceClaims"] == [
-        {"name": "gpu", "resourceClaimName": "team-gpu-0"}]
+        {"name": "gpu", "resourceClaimName": "team-gpu-0"}
+    ]
 
 
 # ---- clear failures ---------------------------------------------------------------------------
@@ -432,20 +498,28 @@ def test_image_repository_is_required(chart: helm.Chart) -> None:
         render(chart, {})
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"kind": "StatefulSet"}, "at '/kind': value must be one of 'Deployment', 'DaemonSet'"),
-    ({"replicas": 2}, "additional properties 'replicas' not allowed"),
-    ({"config": {"pool_byts": 1}}, "at '/config': additional properties 'pool_byts' not allowed"),
-    ({"config": {"transport": "nvlink"}},
-     "at '/config/transport': value must be one of 'auto', 'cuda_vmm', 'host_shm'"),
-    ({"config": {"fabric": "on"}}, "at '/config/fabric': value must be one of"),
-    ({"gpu": {"count": "one"}}, "at '/gpu/count': got string, want integer"),
-    ({"securityContext": {"runAsNonRoot": False}}, "at '/securityContext/runAsNonRoot'"),
-    ({"socket": {"hostPath": "run/featpool"}}, "at '/socket/hostPath'"),
-])
-def test_schema_rejects_bad_values_with_a_clear_message(chart: helm.Chart,
-                                                        values: dict[str, Any],
-                                                        message: str) -> None:
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"kind": "StatefulSet"}, "at '/kind': value must be one of 'Deployment', 'DaemonSet'"),
+        ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+        (
+            {"config": {"pool_byts": 1}},
+            "at '/config': additional properties 'pool_byts' not allowed",
+        ),
+        (
+            {"config": {"transport": "nvlink"}},
+            "at '/config/transport': value must be one of 'auto', 'cuda_vmm', 'host_shm'",
+        ),
+        ({"config": {"fabric": "on"}}, "at '/config/fabric': value must be one of"),
+        ({"gpu": {"count": "one"}}, "at '/gpu/count': got string, want integer"),
+        ({"securityContext": {"runAsNonRoot": False}}, "at '/securityContext/runAsNonRoot'"),
+        ({"socket": {"hostPath": "run/featpool"}}, "at '/socket/hostPath'"),
+    ],
+)
+def test_schema_rejects_bad_values_with_a_clear_message(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
         render(chart, merge(IMAGE, values))
     assert "values don't meet the specifications of the schema" in str(err.value)
@@ -463,8 +537,7 @@ def test_shared_claim_refuses_more_than_one_pod(chart: helm.Chart) -> None:
 
 def test_existing_claim_needs_a_name(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmRenderError, match=r"dra\.gpu\.claimName is required"):
-        render(chart, merge(IMAGE, {"dra": {"gpu": {"enabled": True,
-                                                    "source": "existingClaim"}}}))
+        render(chart, merge(IMAGE, {"dra": {"gpu": {"enabled": True, "source": "existingClaim"}}}))
 
 
 # ---- values.yaml comments and the chart README -----------------------------------------------
@@ -550,7 +623,8 @@ def test_every_value_has_a_comment() -> None:
     for path in documented:
         lookup(values, path)  # every documented path exists
         assert not [p for p in documented if p.startswith(path + ".")], (
-            f"{path} is documented as a whole and in parts")
+            f"{path} is documented as a whole and in parts"
+        )
 
 
 def test_readme_values_table_matches_values_yaml() -> None:
@@ -664,7 +738,8 @@ def test_dockerfile_runtime_contract() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["containerPort"] == 8000
     assert values["socket"]["mountPath"] + "/" + values["socket"]["fileName"] == (
-        "/run/featpool/featpool.sock")
+        "/run/featpool/featpool.sock"
+    )
     assert values["securityContext"]["runAsUser"] == int(uid)
 
 
@@ -700,8 +775,14 @@ def test_python_m_app_help_lists_the_cmd_flags() -> None:
     if not (ROOT / "app" / "__main__.py").exists():
         pytest.skip("app/__main__.py does not exist yet")
     cmd = exec_form(next(a for k, a in final_stage() if k == "CMD"))
-    proc = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     for flag in (a for a in cmd if a.startswith("--")):
         assert flag in proc.stdout, flag
@@ -717,17 +798,31 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
         prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
         bare = pat.removeprefix("**/")
         hit = any(fnmatch.fnmatchcase(p, pat) for p in prefixes) or (
-            pat.startswith("**/") and any(fnmatch.fnmatchcase(p, bare) for p in parts))
+            pat.startswith("**/") and any(fnmatch.fnmatchcase(p, bare) for p in parts)
+        )
         if hit:
             ignored = not negate
     return ignored
 
 
 def test_dockerignore_keeps_the_context_small_but_complete() -> None:
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.strip().startswith("#")]
-    for path in (".git", ".git/HEAD", "tests", "tests/test_helm.py", ".venv", "venv",
-                 ".venv/bin/python", "app/__pycache__/x.pyc", ".mypy_cache", "helm/featpool"):
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    for path in (
+        ".git",
+        ".git/HEAD",
+        "tests",
+        "tests/test_helm.py",
+        ".venv",
+        "venv",
+        ".venv/bin/python",
+        "app/__pycache__/x.pyc",
+        ".mypy_cache",
+        "helm/featpool",
+    ):
         assert dockerignored(path, patterns), path
     # Everything the Dockerfile copies must stay in the context.
     copied = []

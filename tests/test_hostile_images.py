@@ -27,17 +27,23 @@ MAX_PIXELS = 4_000_000
 
 # ---- crafting --------------------------------------------------------------------------------
 
+
 def png_chunk(kind: bytes, data: bytes, *, crc: int | None = None) -> bytes:
     crc = zlib.crc32(kind + data) if crc is None else crc
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc & 0xFFFFFFFF)
 
 
-def png(width: int, height: int, idat: bytes, *, depth: int = 8, color: int = 2,
-        bad_crc: bool = False) -> bytes:
+def png(
+    width: int, height: int, idat: bytes, *, depth: int = 8, color: int = 2, bad_crc: bool = False
+) -> bytes:
     """A PNG with the given IHDR and IDAT, built by hand (no encoder would write a lie)."""
     ihdr = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr, crc=0 if bad_crc else None)
-            + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", ihdr, crc=0 if bad_crc else None)
+        + png_chunk(b"IDAT", idat)
+        + png_chunk(b"IEND", b"")
+    )
 
 
 def zlib_bomb_png(side: int) -> bytes:
@@ -104,17 +110,32 @@ CORPUS: list[tuple[str, bytes, int, str | None]] = [
     ("truncated jpeg, 90%", JPEG[: len(JPEG) * 9 // 10], 400, "invalid_image"),
     ("truncated png, header only", PNG[:40], 400, "invalid_image"),
     ("truncated png, half", PNG[: len(PNG) // 2], 400, "invalid_image"),
-    ("png with a bad IHDR crc", png(8, 8, zlib.compress(bytes(9 * 8 * 3 + 8)), bad_crc=True),
-     400, "invalid_image"),
-    ("png claiming 100000x100000 in 60 bytes", png(100_000, 100_000, zlib.compress(b"\0")),
-     413, "image_too_large"),
-    ("png claiming 2^31-1 x 1", png(2**31 - 1, 1, zlib.compress(b"\0")), 413,
-     "image_too_large"),
+    (
+        "png with a bad IHDR crc",
+        png(8, 8, zlib.compress(bytes(9 * 8 * 3 + 8)), bad_crc=True),
+        400,
+        "invalid_image",
+    ),
+    (
+        "png claiming 100000x100000 in 60 bytes",
+        png(100_000, 100_000, zlib.compress(b"\0")),
+        413,
+        "image_too_large",
+    ),
+    ("png claiming 2^31-1 x 1", png(2**31 - 1, 1, zlib.compress(b"\0")), 413, "image_too_large"),
     ("png claiming 0x0", png(0, 0, zlib.compress(b"\0")), 400, "invalid_image"),
-    ("png within the pixel limit, IDAT far too short", png(1500, 1500, zlib.compress(b"\0" * 9)),
-     400, "invalid_image"),
-    ("png with a bogus bit depth", png(8, 8, zlib.compress(bytes(100)), depth=7), 400,
-     "invalid_image"),
+    (
+        "png within the pixel limit, IDAT far too short",
+        png(1500, 1500, zlib.compress(b"\0" * 9)),
+        400,
+        "invalid_image",
+    ),
+    (
+        "png with a bogus bit depth",
+        png(8, 8, zlib.compress(bytes(100)), depth=7),
+        400,
+        "invalid_image",
+    ),
     ("gif claiming 65535x65535", gif_with_screen(65535, 65535), 413, "image_too_large"),
     ("jpeg SOF claiming 65000x65000", jpeg_with_sof_dims(65000, 65000), 413, "image_too_large"),
     ("jpeg SOF claiming 0 width", jpeg_with_sof_dims(0, 16), 400, "invalid_image"),
@@ -132,12 +153,24 @@ CORPUS: list[tuple[str, bytes, int, str | None]] = [
     ("exif orientation 6", exif_jpeg(6), 200, None),
     ("exif orientation 99 (invalid)", exif_jpeg(99), 200, None),
     ("ppm (a format we do not take)", image_bytes("PPM"), 415, "unsupported_media_type"),
-    ("svg", b'<svg xmlns="http://www.w3.org/2000/svg" width="9e9" height="9e9"/>', 400,
-     "invalid_image"),
-    ("polyglot: jpeg with a zip and html appended",
-     JPEG + b"PK\x03\x04" + RNG.bytes(200) + b"<script>alert(1)</script>", 200, None),
-    ("polyglot: gif header that is also javascript",
-     b"GIF89a/*\x01\x00\x01\x00\x00\x00\x00*/=alert(1);" + RNG.bytes(64), 400, "invalid_image"),
+    (
+        "svg",
+        b'<svg xmlns="http://www.w3.org/2000/svg" width="9e9" height="9e9"/>',
+        400,
+        "invalid_image",
+    ),
+    (
+        "polyglot: jpeg with a zip and html appended",
+        JPEG + b"PK\x03\x04" + RNG.bytes(200) + b"<script>alert(1)</script>",
+        200,
+        None,
+    ),
+    (
+        "polyglot: gif header that is also javascript",
+        b"GIF89a/*\x01\x00\x01\x00\x00\x00\x00*/=alert(1);" + RNG.bytes(64),
+        400,
+        "invalid_image",
+    ),
 ]
 
 
@@ -153,10 +186,19 @@ CORPUS.append(("1-bit 20000x20000 pixel flood", _pixel_flood(), 413, "image_too_
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     tmp: Path = tmp_path_factory.mktemp("hostile")
-    s = Settings(encoder="tiny-test", device="cpu", socket_path=tmp / "featpool.sock",
-                 host_pool_bytes=8 << 20, slab_bytes=4 << 20, inline_max_bytes=1 << 20,
-                 max_batch_wait_ms=2.0, reap_interval_s=0.01, decode_workers=2,
-                 max_image_pixels=MAX_PIXELS, max_images_per_request=8)
+    s = Settings(
+        encoder="tiny-test",
+        device="cpu",
+        socket_path=tmp / "featpool.sock",
+        host_pool_bytes=8 << 20,
+        slab_bytes=4 << 20,
+        inline_max_bytes=1 << 20,
+        max_batch_wait_ms=2.0,
+        reap_interval_s=0.01,
+        decode_workers=2,
+        max_image_pixels=MAX_PIXELS,
+        max_images_per_request=8,
+    )
     with TestClient(create_app(s)) as c:
         yield c
         assert occupancy(c) == (0, 0)  # everything the module was given, it gave back
@@ -180,20 +222,26 @@ def check(c: TestClient, r: Any, status: int, kind: str | None) -> None:
 
 
 @pytest.mark.parametrize(("name", "data", "status", "kind"), CORPUS, ids=[c[0] for c in CORPUS])
-def test_raw_body(client: TestClient, name: str, data: bytes, status: int,
-                  kind: str | None) -> None:
-    r = client.post("/v1/encode", content=data,
-                    headers={"content-type": "application/octet-stream"})
+def test_raw_body(
+    client: TestClient, name: str, data: bytes, status: int, kind: str | None
+) -> None:
+    r = client.post(
+        "/v1/encode", content=data, headers={"content-type": "application/octet-stream"}
+    )
     check(client, r, status, kind)
 
 
-@pytest.mark.parametrize(("name", "data", "status", "kind"), CORPUS[::3],
-                         ids=[c[0] for c in CORPUS[::3]])
-def test_as_multipart_part_next_to_a_good_image(client: TestClient, name: str, data: bytes,
-                                                status: int, kind: str | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "data", "status", "kind"), CORPUS[::3], ids=[c[0] for c in CORPUS[::3]]
+)
+def test_as_multipart_part_next_to_a_good_image(
+    client: TestClient, name: str, data: bytes, status: int, kind: str | None
+) -> None:
     """All or nothing: a bad part fails the request, and the good image's lease goes too."""
-    r = client.post("/v1/encode", files=[("image", ("good.jpg", JPEG, "image/jpeg")),
-                                         ("image", (name, data, "image/png"))])
+    r = client.post(
+        "/v1/encode",
+        files=[("image", ("good.jpg", JPEG, "image/jpeg")), ("image", (name, data, "image/png"))],
+    )
     check(client, r, status, kind)
     if kind is None:
         return
@@ -204,8 +252,13 @@ def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "xYzZy
     out = b""
     for name, filename, data in parts:
         disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
-        out += (f"--{boundary}\r\nContent-Disposition: {disp}\r\n"
-                "Content-Type: image/jpeg\r\n\r\n").encode() + data + b"\r\n"
+        out += (
+            (
+                f"--{boundary}\r\nContent-Disposition: {disp}\r\nContent-Type: image/jpeg\r\n\r\n"
+            ).encode()
+            + data
+            + b"\r\n"
+        )
     return out + f"--{boundary}--\r\n".encode()
 
 
@@ -213,27 +266,63 @@ MP = "multipart/form-data; boundary=xYzZy"
 small = image_bytes("JPEG", size=(8, 8))
 
 MULTIPART_CASES: list[tuple[str, bytes, str, int, str | None]] = [
-    ("9 image parts, limit 8", multipart([("image", f"{i}.jpg", small) for i in range(9)]), MP,
-     413, "too_many_images"),
-    ("8 image parts, the limit", multipart([("image", f"{i}.jpg", small) for i in range(8)]), MP,
-     200, None),
+    (
+        "9 image parts, limit 8",
+        multipart([("image", f"{i}.jpg", small) for i in range(9)]),
+        MP,
+        413,
+        "too_many_images",
+    ),
+    (
+        "8 image parts, the limit",
+        multipart([("image", f"{i}.jpg", small) for i in range(8)]),
+        MP,
+        200,
+        None,
+    ),
     ("1000 tiny text fields", multipart([("f", None, b"x")] * 1000), MP, 400, "invalid_request"),
-    ("unterminated multipart body", multipart([("image", "a.jpg", small)])[:-20], MP, 422,
-     "validation_error"),
-    ("multipart without a boundary", multipart([("image", "a.jpg", small)]),
-     "multipart/form-data", 400, "invalid_request"),
-    ("wrong boundary", multipart([("image", "a.jpg", small)], boundary="other"), MP, 400,
-     "invalid_request"),
-    ("image part as a field, not a file", multipart([("image", None, small)]), MP, 400,
-     "invalid_request"),
-    ("filename with path traversal and NULs",
-     multipart([("image", "../../etc/passwd\x00.jpg", small)]), MP, 200, None),
+    (
+        "unterminated multipart body",
+        multipart([("image", "a.jpg", small)])[:-20],
+        MP,
+        422,
+        "validation_error",
+    ),
+    (
+        "multipart without a boundary",
+        multipart([("image", "a.jpg", small)]),
+        "multipart/form-data",
+        400,
+        "invalid_request",
+    ),
+    (
+        "wrong boundary",
+        multipart([("image", "a.jpg", small)], boundary="other"),
+        MP,
+        400,
+        "invalid_request",
+    ),
+    (
+        "image part as a field, not a file",
+        multipart([("image", None, small)]),
+        MP,
+        400,
+        "invalid_request",
+    ),
+    (
+        "filename with path traversal and NULs",
+        multipart([("image", "../../etc/passwd\x00.jpg", small)]),
+        MP,
+        200,
+        None,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", MULTIPART_CASES, ids=[c[0] for c in MULTIPART_CASES])
-def test_malformed_multipart(client: TestClient,
-                             case: tuple[str, bytes, str, int, str | None]) -> None:
+def test_malformed_multipart(
+    client: TestClient, case: tuple[str, bytes, str, int, str | None]
+) -> None:
     _, body, ctype, status, kind = case
     r = client.post("/v1/encode", content=body, headers={"content-type": ctype})
     check(client, r, status, kind)
@@ -247,8 +336,9 @@ def test_rejections_are_counted_as_rejected_images(client: TestClient) -> None:
         return 0.0
 
     before = rejected()
-    r = client.post("/v1/encode", content=b"\x89PNG\r\n\x1a\n",
-                    headers={"content-type": "image/png"})
+    r = client.post(
+        "/v1/encode", content=b"\x89PNG\r\n\x1a\n", headers={"content-type": "image/png"}
+    )
     assert r.status_code == 400
     assert rejected() == before + 1
 

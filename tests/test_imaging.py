@@ -45,8 +45,9 @@ def pil_decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Te
     for d in datas:
         im = Image.open(io.BytesIO(d.numpy().tobytes()))
         im.load()
-        out.append(torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
-                   .to(device))
+        out.append(
+            torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1).to(device)
+        )
     return out
 
 
@@ -54,7 +55,7 @@ def bogus_huffman(data: bytes) -> bytes:
     """A JPEG whose header parses but whose first Huffman table is impossible (counts sum
     past 256): decoders refuse it only when they decode the pixels."""
     at = data.index(b"\xff\xc4") + 5  # marker, length, class/id, then 16 counts
-    return data[:at] + bytes([255] * 16) + data[at + 16:]
+    return data[:at] + bytes([255] * 16) + data[at + 16 :]
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -97,8 +98,11 @@ def test_inspect_reads_header_only_and_routes() -> None:
     assert not inspect(image_bytes("JPEG", mode="CMYK"), **LIMITS).gpu_jpeg
     assert inspect(image_bytes("JPEG", mode="L"), **LIMITS).gpu_jpeg
     assert not inspect(image_bytes("PNG"), **LIMITS).gpu_jpeg
-    for bad, kind in ((b"", "empty_image"), (b"\xff\xd8\xffgarbage", "invalid_image"),
-                      (b"GIF89a", "invalid_image")):
+    for bad, kind in (
+        (b"", "empty_image"),
+        (b"\xff\xd8\xffgarbage", "invalid_image"),
+        (b"GIF89a", "invalid_image"),
+    ):
         with pytest.raises(ApiError) as e:
             inspect(bad, **LIMITS)
         assert e.value.type == kind
@@ -112,8 +116,7 @@ def test_gpu_path_pixels_match_the_pillow_path(orientation: int) -> None:
     data = jpeg(photo(400, 300), orientation)
     want = decode(data, 32, **LIMITS).float()
     h = inspect(data, **LIMITS)
-    [raw] = pil_decode([torch.frombuffer(bytearray(data), dtype=torch.uint8)],
-                       torch.device("cpu"))
+    [raw] = pil_decode([torch.frombuffer(bytearray(data), dtype=torch.uint8)], torch.device("cpu"))
     got = preprocess([raw], [h.orientation], 32)[0]
     assert (got - want).abs().mean() < 3.0  # Pillow decodes at reduced scale (draft)
 
@@ -150,8 +153,7 @@ def test_create_falls_back_without_cuda() -> None:
         JpegDecoder.create(torch.device("cpu"), "on")
 
 
-def test_engine_gpu_decode_path_with_a_fake_nvjpeg(
-        make_client: Callable[..., TestClient]) -> None:
+def test_engine_gpu_decode_path_with_a_fake_nvjpeg(make_client: Callable[..., TestClient]) -> None:
     """The engine's nvJPEG path on the CPU: a JPEG the decoder refuses (and Pillow too) fails
     its own request with a 400; a good JPEG batched with it is encoded; nothing leaks."""
     c = make_client(max_batch_wait_ms=50.0)
@@ -171,10 +173,12 @@ def test_engine_gpu_decode_path_with_a_fake_nvjpeg(
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        f_bad = ex.submit(c.post, "/v1/encode", content=corrupt,
-                          headers={"content-type": "image/jpeg"})
-        f_good = ex.submit(c.post, "/v1/encode", content=good,
-                           headers={"content-type": "image/jpeg"})
+        f_bad = ex.submit(
+            c.post, "/v1/encode", content=corrupt, headers={"content-type": "image/jpeg"}
+        )
+        f_good = ex.submit(
+            c.post, "/v1/encode", content=good, headers={"content-type": "image/jpeg"}
+        )
         bad, ok = f_bad.result(), f_good.result()
     assert ok.status_code == 200, ok.text
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_image", bad.text
@@ -183,8 +187,9 @@ def test_engine_gpu_decode_path_with_a_fake_nvjpeg(
     # Same pixels as the Pillow path (up to draft-mode decoding): the orientation was applied.
     lid = ok.json()["items"][0]["lease_id"]
     engine.jpeg = None
-    lid2 = c.post("/v1/encode", content=good, headers={"content-type": "image/jpeg"}
-                  ).json()["items"][0]["lease_id"]
+    lid2 = c.post("/v1/encode", content=good, headers={"content-type": "image/jpeg"}).json()[
+        "items"
+    ][0]["lease_id"]
     from safetensors.torch import load
 
     a, b = (load(c.get(f"/v1/leases/{i}/tensor").content)["features"] for i in (lid, lid2))

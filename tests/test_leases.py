@@ -7,8 +7,9 @@ from tests.conftest import FakeClock
 
 
 def reserve(t: LeaseTable, ttl: float = 10.0):  # type: ignore[no-untyped-def]
-    return t.reserve(tier="host", extent=Extent(0, 0, 256), shape=(2,), dtype="float32",
-                     nbytes=8, ttl_s=ttl)
+    return t.reserve(
+        tier="host", extent=Extent(0, 0, 256), shape=(2,), dtype="float32", nbytes=8, ttl_s=ttl
+    )
 
 
 def test_states_reserved_ready_released(clock: FakeClock) -> None:

@@ -27,8 +27,9 @@ def scrape(c: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
     return out
 
 
-def value(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-          **labels: str) -> float:
+def value(
+    m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
@@ -62,10 +63,8 @@ def test_scripted_scenario_metrics(make_client: Callable[..., TestClient]) -> No
     assert value(m, "featpool_fallbacks_total", reason="pool_full", tier="inline") == 2
     assert value(m, "featpool_allocation_failures_total", tier="host") == 3
     assert value(m, "featpool_rejected_total", reason="pool_exhausted") == 1
-    assert value(m, "featpool_http_requests_total", endpoint="/v1/encode",
-                 status_class="5xx") == 1
-    assert value(m, "featpool_http_requests_total", endpoint="/v1/encode",
-                 status_class="2xx") == 10
+    assert value(m, "featpool_http_requests_total", endpoint="/v1/encode", status_class="5xx") == 1
+    assert value(m, "featpool_http_requests_total", endpoint="/v1/encode", status_class="2xx") == 10
     assert value(m, "featpool_images_total", outcome="encoded") == 1 + 480 + 3
     assert value(m, "featpool_batch_size_sum") == 1 + 480 + 3 + 1
     assert value(m, "featpool_encode_duration_seconds_count") >= 1
@@ -102,10 +101,18 @@ def test_build_info_and_label_values_stay_small(make_client: Callable[..., TestC
     m = scrape(c)
     info = [labels for (name, labels) in m if name == "featpool_build_info"]
     assert len(info) == 1 and dict(info[0])["transport"] == "host_shm"
-    endpoints = {dict(labels)["endpoint"] for (name, labels) in m
-                 if name == "featpool_http_requests_total"}
-    assert endpoints <= {"/v1/encode", "/v1/leases/{id}", "/v1/leases/{id}/tensor", "/v1/pool",
-                         "/health", "/metrics", "other"}
+    endpoints = {
+        dict(labels)["endpoint"] for (name, labels) in m if name == "featpool_http_requests_total"
+    }
+    assert endpoints <= {
+        "/v1/encode",
+        "/v1/leases/{id}",
+        "/v1/leases/{id}/tensor",
+        "/v1/pool",
+        "/health",
+        "/metrics",
+        "other",
+    }
     assert not any(lid in str(labels) for (_, labels) in m)  # no lease ID ever in a label
 
 
@@ -119,8 +126,9 @@ def test_request_id_is_returned_and_propagated(make_client: Callable[..., TestCl
     assert r.status_code == 404 and r.headers["x-request-id"] == "err-1"
 
 
-def test_json_log_lines_carry_the_request_id(make_client: Callable[..., TestClient],
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_json_log_lines_carry_the_request_id(
+    make_client: Callable[..., TestClient], caplog: pytest.LogCaptureFixture
+) -> None:
     c = make_client()
     with caplog.at_level(logging.INFO, logger="app.access"):
         c.get("/v1/pool", headers={"x-request-id": "rid-42"})
@@ -131,7 +139,8 @@ def test_json_log_lines_carry_the_request_id(make_client: Callable[..., TestClie
 
 
 def test_startup_line_lists_changed_settings_and_capabilities(
-        make_client: Callable[..., TestClient], caplog: pytest.LogCaptureFixture) -> None:
+    make_client: Callable[..., TestClient], caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="app.main"):
         make_client(max_batch_size=7, api_key="hush")
     line = next(r.getMessage() for r in caplog.records if "ready:" in r.getMessage())

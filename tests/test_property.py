@@ -38,8 +38,13 @@ SLABS = [4096, 8192, 2048]
 MAX_LEASES = 8
 INLINE_MAX = 12_288
 
-CHURN = settings(max_examples=60, stateful_step_count=40, deadline=None, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+CHURN = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def check_allocator(alloc: SlabAllocator, live: list[Extent]) -> None:
@@ -51,8 +56,10 @@ def check_allocator(alloc: SlabAllocator, live: list[Extent]) -> None:
     assert sum(e.size for e in free) == alloc.free_bytes
     # Live and free ranges tile every slab exactly: no overlap, no gap, free ranges coalesced.
     for slab, size in enumerate(alloc.slab_sizes):
-        spans = sorted([(e.offset, e.size, "live") for e in live if e.slab == slab]
-                       + [(e.offset, e.size, "free") for e in free if e.slab == slab])
+        spans = sorted(
+            [(e.offset, e.size, "live") for e in live if e.slab == slab]
+            + [(e.offset, e.size, "free") for e in free if e.slab == slab]
+        )
         pos, prev_kind = 0, ""
         for offset, n, kind in spans:
             assert offset == pos, f"slab {slab}: gap or overlap at {pos} (next span {offset})"
@@ -127,9 +134,14 @@ class PoolChurn(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.pool = FeaturePool([HostShmBackend(SLABS)], max_leases=MAX_LEASES,
-                                default_ttl_s=10.0, max_ttl_s=100.0,
-                                inline_max_bytes=INLINE_MAX, clock=self.clock)
+        self.pool = FeaturePool(
+            [HostShmBackend(SLABS)],
+            max_leases=MAX_LEASES,
+            default_ttl_s=10.0,
+            max_ttl_s=100.0,
+            inline_max_bytes=INLINE_MAX,
+            clock=self.clock,
+        )
         # The model: live lease id -> (lease, deadline, acked); ended id -> how it ended.
         self.live: dict[str, tuple[Lease, float, bool]] = {}
         self.ended: dict[str, str] = {}
@@ -157,8 +169,11 @@ class PoolChurn(RuleBasedStateMachine):
 
     # ---- rules --------------------------------------------------------------------------------
 
-    @rule(n=st.integers(1, 2500), ttl=st.one_of(st.none(), st.floats(0.5, 200.0)),
-          dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+    @rule(
+        n=st.integers(1, 2500),
+        ttl=st.one_of(st.none(), st.floats(0.5, 200.0)),
+        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+    )
     def put(self, n: int, ttl: float | None, dtype: torch.dtype) -> None:
         x = torch.arange(n, dtype=torch.float32).to(dtype)
         try:
@@ -168,8 +183,7 @@ class PoolChurn(RuleBasedStateMachine):
             nbytes = n * x.element_size()
             alloc = self.pool.tiers[0].allocator
             slots_full = len(self.pool.leases) == MAX_LEASES
-            no_room = (alloc.largest_free < nbytes
-                       and self.pool.inline_bytes + nbytes > INLINE_MAX)
+            no_room = alloc.largest_free < nbytes and self.pool.inline_bytes + nbytes > INLINE_MAX
             assert slots_full or no_room, "PoolExhausted with free slots and room"
             return
         self._sync_except(lease.id)
@@ -245,8 +259,11 @@ class PoolChurn(RuleBasedStateMachine):
             self.pool.get(lid)
         except (LeaseReleased, LeaseExpired, LeaseNotFound) as e:
             how = self.ended[lid]
-            want = {"deleted": {"lease_released"}, "expired": {"lease_expired"},
-                    "acked": {"lease_released", "lease_expired"}}[how]
+            want = {
+                "deleted": {"lease_released"},
+                "expired": {"lease_expired"},
+                "acked": {"lease_released", "lease_expired"},
+            }[how]
             assert e.type in want, (how, e.type)
         else:
             raise AssertionError(f"ended lease {lid} is still served")
@@ -259,11 +276,15 @@ class PoolChurn(RuleBasedStateMachine):
         self._sync()
         pool_live = {lease.id: lease for lease in self.pool.leases}
         tier = self.pool.tiers[0]
-        extents = [lease.extent for lease in pool_live.values()
-                   if lease.tier == tier.name and lease.extent is not None]
+        extents = [
+            lease.extent
+            for lease in pool_live.values()
+            if lease.tier == tier.name and lease.extent is not None
+        ]
         check_allocator(tier.allocator, extents)
         assert self.pool.inline_bytes == sum(
-            lease.nbytes for lease in pool_live.values() if lease.tier == INLINE)
+            lease.nbytes for lease in pool_live.values() if lease.tier == INLINE
+        )
         by_slot = {lease.slot: lease for lease in pool_live.values()}
         assert len(by_slot) == len(pool_live)  # one lease per slot
         for slot in range(MAX_LEASES):
@@ -281,7 +302,8 @@ class PoolChurn(RuleBasedStateMachine):
             assert stats["tiers"][0]["used_bytes"] == 0 and stats["inline"]["used_bytes"] == 0
             assert all(self.pool.ctrl.gen(s) == 0 for s in range(MAX_LEASES))
             assert self.pool.tiers[0].allocator.free_ranges() == [
-                Extent(i, 0, s) for i, s in enumerate(SLABS)]
+                Extent(i, 0, s) for i, s in enumerate(SLABS)
+            ]
         finally:
             self.pool.close()
 

@@ -68,8 +68,9 @@ class _GpuTierStub(HostShmBackend):
 
 
 @pytest.mark.parametrize(("token", "handles"), [(None, False), ("t0ken", True)])
-def test_fabric_handles_only_go_to_token_holders(tmp_path: Path, token: str | None,
-                                                 handles: bool) -> None:
+def test_fabric_handles_only_go_to_token_holders(
+    tmp_path: Path, token: str | None, handles: bool
+) -> None:
     eng = Engine(Settings(socket_path=tmp_path / "s", socket_token=token), Metrics())
     eng.pool = FeaturePool([_GpuTierStub([2 << 20])])
     try:
@@ -94,8 +95,9 @@ class _Status:
     reason = "FABRIC handles unavailable: no IMEX channel"
 
 
-def test_gpu_tier_without_fabric_counts_a_fallback(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_tier_without_fabric_counts_a_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pool.backends import cuda_vmm
 
     made: list[dict[str, Any]] = []
@@ -110,8 +112,14 @@ def test_gpu_tier_without_fabric_counts_a_fallback(tmp_path: Path,
     s = Settings(socket_path=tmp_path / "s", pool_bytes=64 << 20, host_pool_bytes=2 << 20)
     backends, caps = build_backends(s, torch.device("cuda:0"))
     try:
-        assert made == [{"device_index": 0, "pool_bytes": 64 << 20,
-                         "slab_bytes": s.slab_bytes, "fabric": "auto"}]
+        assert made == [
+            {
+                "device_index": 0,
+                "pool_bytes": 64 << 20,
+                "slab_bytes": s.slab_bytes,
+                "fabric": "auto",
+            }
+        ]
         assert [b.tier for b in backends] == ["gpu", "host"]
         assert caps.transport == "cuda_vmm" and caps.fabric is False
         assert caps.fabric_reason.startswith("FABRIC handles unavailable")
@@ -122,7 +130,8 @@ def test_gpu_tier_without_fabric_counts_a_fallback(tmp_path: Path,
 
 
 def test_auto_falls_back_to_host_when_the_gpu_pool_cannot_start(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pool.backends import cuda_vmm
 
     def create(device_index: int, **kw: Any) -> None:
@@ -138,16 +147,25 @@ def test_auto_falls_back_to_host_when_the_gpu_pool_cannot_start(
         for b in backends:
             b.close()
     with pytest.raises(CudaUnavailable, match="--transport cuda_vmm"):
-        build_backends(Settings(socket_path=tmp_path / "s", transport="cuda_vmm"),
-                       torch.device("cuda:0"))
+        build_backends(
+            Settings(socket_path=tmp_path / "s", transport="cuda_vmm"), torch.device("cuda:0")
+        )
 
 
-def test_settings_travel_to_front_processes_unchanged(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_travel_to_front_processes_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from app.front import settings_env
 
-    s = Settings(socket_path=tmp_path / "s", http_workers=3, api_key="k3y", max_batch_size=7,
-                 socket_allowed_uids=[0, 1000], fallback="reject", log_json=True)
+    s = Settings(
+        socket_path=tmp_path / "s",
+        http_workers=3,
+        api_key="k3y",
+        max_batch_size=7,
+        socket_allowed_uids=[0, 1000],
+        fallback="reject",
+        log_json=True,
+    )
     for name in Settings.model_fields:
         monkeypatch.delenv(f"FEATPOOL_{name.upper()}", raising=False)
     for k, v in settings_env(s).items():

@@ -119,8 +119,9 @@ class ModuleEncoder:
                 try:
                     self._capture(b)
                 except RuntimeError as e:  # e.g. a model with a host sync in its forward
-                    log.warning("encoder %s: CUDA graph capture failed (%s); running eagerly",
-                                self.name, e)
+                    log.warning(
+                        "encoder %s: CUDA graph capture failed (%s); running eagerly", self.name, e
+                    )
                     self._graphs = None
                     break
         if self.device.type == "cuda":

@@ -18,8 +18,9 @@ class Backend(Protocol):
     slab_sizes: list[int]
     device: torch.device  # where tensors of this tier live
 
-    def publish(self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int,
-                gen: int) -> None:
+    def publish(
+        self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int, gen: int
+    ) -> None:
         """Copy ``tensor`` into ``extent`` and set the slot's ready word to ``gen`` after the
         copy, in order. On the GPU this is stream-ordered and does not wait for the copy."""
 

@@ -31,8 +31,10 @@ from pool.errors import CudaError, CudaUnavailable, HandoffError, InvalidTensor
 log = logging.getLogger(__name__)
 
 FabricMode = Literal["auto", "off", "require"]
-IMEX_HINT = ("FABRIC handles unavailable: no IMEX channel (/dev/nvidia-caps-imex-channels); "
-             "falling back to POSIX FD on a single node")
+IMEX_HINT = (
+    "FABRIC handles unavailable: no IMEX channel (/dev/nvidia-caps-imex-channels); "
+    "falling back to POSIX FD on a single node"
+)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -47,11 +49,13 @@ class TorchCuda:
         if not torch.cuda.is_available():
             raise CudaUnavailable(
                 f"this torch build ({torch.__version__}) sees no CUDA device; "
-                f"use --transport host_shm")
+                f"use --transport host_shm"
+            )
         if not 0 <= device_index < torch.cuda.device_count():
             raise CudaUnavailable(
                 f"CUDA device {device_index} does not exist "
-                f"({torch.cuda.device_count()} visible; check CUDA_VISIBLE_DEVICES)")
+                f"({torch.cuda.device_count()} visible; check CUDA_VISIBLE_DEVICES)"
+            )
         self.device = torch.device("cuda", device_index)
         self.index = device_index
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -83,13 +87,18 @@ class _DevicePointer:
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False), "version": 3,
-            "strides": None, "stream": None,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (int(ptr), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
         }
 
 
-def typed_view(base: torch.Tensor, offset: int, dtype: torch.dtype,
-               shape: tuple[int, ...]) -> torch.Tensor:
+def typed_view(
+    base: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """``base[offset:]`` (a flat uint8 tensor) seen as a ``dtype`` tensor of ``shape``."""
     count = 1
     for d in shape:
@@ -97,7 +106,7 @@ def typed_view(base: torch.Tensor, offset: int, dtype: torch.dtype,
     nbytes = count * dtype.itemsize
     if offset < 0 or offset + nbytes > base.numel():
         raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the slab of {base.numel()}")
-    return base[offset:offset + nbytes].view(dtype).view(shape)
+    return base[offset : offset + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -119,8 +128,9 @@ class _Mapping:
     base: torch.Tensor | None = None  # uint8 tensor over the whole range
 
 
-def map_allocation(driver: DriverAPI, handle: Any, size: int, granularity: int, ordinal: int,
-                   *, read_only: bool) -> int:
+def map_allocation(
+    driver: DriverAPI, handle: Any, size: int, granularity: int, ordinal: int, *, read_only: bool
+) -> int:
     """Reserve a VA range, map ``handle`` there and set access. On any failure, undo the steps
     already done in reverse order; the caller still owns ``handle``."""
     ptr = driver.address_reserve(size, granularity)
@@ -177,8 +187,14 @@ class CudaVmmBackend:
     # "driver": cuMemcpyDtoDAsync for contiguous tensors; "torch": view.copy_ (any layout).
     copy_engine: Literal["driver", "torch"] = "driver"
 
-    def __init__(self, driver: DriverAPI, rt: Any, slab_sizes: list[int], granularity: int,
-                 fabric: FabricStatus) -> None:
+    def __init__(
+        self,
+        driver: DriverAPI,
+        rt: Any,
+        slab_sizes: list[int],
+        granularity: int,
+        fabric: FabricStatus,
+    ) -> None:
         """Use ``create``; this only records what it made."""
         self.driver = driver
         self.rt = rt
@@ -187,7 +203,8 @@ class CudaVmmBackend:
         self.granularity = granularity
         self.fabric_status = fabric
         self.handle_types = HandleType.POSIX_FD | (
-            HandleType.FABRIC if fabric.available else HandleType(0))
+            HandleType.FABRIC if fabric.available else HandleType(0)
+        )
         self.slab_sizes: list[int] = []
         self._slabs: list[_Mapping] = []
         self._fds: list[int] | None = None
@@ -203,9 +220,16 @@ class CudaVmmBackend:
             raise
 
     @classmethod
-    def create(cls, device_index: int, pool_bytes: int, slab_bytes: int, *,
-               fabric: FabricMode = "auto", driver: DriverAPI | None = None,
-               rt: Any = None) -> CudaVmmBackend:
+    def create(
+        cls,
+        device_index: int,
+        pool_bytes: int,
+        slab_bytes: int,
+        *,
+        fabric: FabricMode = "auto",
+        driver: DriverAPI | None = None,
+        rt: Any = None,
+    ) -> CudaVmmBackend:
         """Build the GPU tier: ``ceil(pool_bytes / slab)`` slabs of ``slab_bytes`` rounded up to
         the allocation granularity. Raises CudaUnavailable (no driver, no device, fabric=require
         without IMEX) or CudaError."""
@@ -219,8 +243,7 @@ class CudaVmmBackend:
             status = probe_fabric(drv, device_index, fabric)
             if fabric != "off" and not status.available:
                 log.warning("%s", status.reason)
-            types = HandleType.POSIX_FD | (
-                HandleType.FABRIC if status.available else HandleType(0))
+            types = HandleType.POSIX_FD | (HandleType.FABRIC if status.available else HandleType(0))
             gran = drv.granularity(device_index, types)
             slab = round_up(slab_bytes, gran)
             count = max(1, -(-pool_bytes // slab))
@@ -228,15 +251,22 @@ class CudaVmmBackend:
         except BaseException:
             drv.release_device()
             raise
-        log.info("cuda_vmm pool on %s: %d slab(s) of %d bytes (granularity %d), handles %s",
-                 backend.device, count, slab, gran, backend.handle_types.name)
+        log.info(
+            "cuda_vmm pool on %s: %d slab(s) of %d bytes (granularity %d), handles %s",
+            backend.device,
+            count,
+            slab,
+            gran,
+            backend.handle_types.name,
+        )
         return backend
 
     def _add_slab(self, size: int) -> None:
         handle = self.driver.mem_create(size, self.ordinal, self.handle_types)
         try:
-            ptr = map_allocation(self.driver, handle, size, self.granularity, self.ordinal,
-                                 read_only=False)
+            ptr = map_allocation(
+                self.driver, handle, size, self.granularity, self.ordinal, read_only=False
+            )
         except BaseException:
             self.driver.mem_release(handle)
             raise
@@ -269,13 +299,15 @@ class CudaVmmBackend:
 
     # ---- the Backend protocol --------------------------------------------------------------
 
-    def publish(self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int,
-                gen: int) -> None:
+    def publish(
+        self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int, gen: int
+    ) -> None:
         if tensor.device != self.device:
             raise InvalidTensor(
                 f"a {tensor.device} tensor was given to the GPU pool ({self.transport} on "
                 f"{self.device}): move it there first (tensor.to('{self.device}')), or publish "
-                f"host tensors to a host_shm tier")
+                f"host tensors to a host_shm tier"
+            )
         if self._ctrl is not ctrl:
             self.bind_control(ctrl)
         stream = self.rt.current_stream()
@@ -287,8 +319,9 @@ class CudaVmmBackend:
             if nbytes > extent.size:
                 raise ValueError(f"{nbytes} bytes do not fit the extent {extent}")
             base = self._slabs[extent.slab]
-            self.driver.memcpy_dtod_async(base.ptr + extent.offset, tensor.data_ptr(), nbytes,
-                                          stream)
+            self.driver.memcpy_dtod_async(
+                base.ptr + extent.offset, tensor.data_ptr(), nbytes, stream
+            )
         else:
             dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
             dst.copy_(tensor, non_blocking=True)
@@ -296,8 +329,9 @@ class CudaVmmBackend:
         word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
         self.driver.stream_write_value32(stream, word, gen)
 
-    def publish_many(self, items: Sequence[tuple[Extent, torch.Tensor, int, int]],
-                     ctrl: ControlBlock) -> None:
+    def publish_many(
+        self, items: Sequence[tuple[Extent, torch.Tensor, int, int]], ctrl: ControlBlock
+    ) -> None:
         """``publish`` for a batch: one multi-tensor copy launch for every tensor, then each
         slot's ready word (fenced, as in ``publish``) on the same stream. On a busy process
         each driver call can wait for the GIL; this makes one launch of the B copies."""
@@ -307,8 +341,10 @@ class CudaVmmBackend:
             return
         for _, tensor, _, _ in items:
             if tensor.device != self.device:
-                raise InvalidTensor(f"a {tensor.device} tensor was given to the GPU pool on "
-                                    f"{self.device}: move it there first")
+                raise InvalidTensor(
+                    f"a {tensor.device} tensor was given to the GPU pool on "
+                    f"{self.device}: move it there first"
+                )
         if self._ctrl is not ctrl:
             self.bind_control(ctrl)
         dsts = [self.view(e, t.dtype, tuple(t.shape)) for e, t, _, _ in items]
@@ -354,12 +390,13 @@ class CudaVmmBackend:
             "device_index": self.ordinal,
             "device_uuid": self.rt.uuid(),
             "granularity": self.granularity,
-            "fabric": {"available": self.fabric_status.available,
-                       "reason": self.fabric_status.reason},
+            "fabric": {
+                "available": self.fabric_status.available,
+                "reason": self.fabric_status.reason,
+            },
         }
         if include_fabric and self.fabric_status.available:
-            info["fabric_handles"] = [base64.b64encode(h).decode()
-                                      for h in self.fabric_handles()]
+            info["fabric_handles"] = [base64.b64encode(h).decode() for h in self.fabric_handles()]
         return {"cuda": info}
 
     def close(self) -> None:
@@ -416,9 +453,15 @@ class _ConsumerSlab:
 class CudaConsumer:
     """The consumer side of the GPU tier, one per FeatureClient attachment."""
 
-    def __init__(self, ctrl: ControlBlock, cuda_info: dict[str, Any],
-                 device: torch.device | None, *, driver: DriverAPI | None = None,
-                 rt: Any = None) -> None:
+    def __init__(
+        self,
+        ctrl: ControlBlock,
+        cuda_info: dict[str, Any],
+        device: torch.device | None,
+        *,
+        driver: DriverAPI | None = None,
+        rt: Any = None,
+    ) -> None:
         self.ctrl = ctrl
         self.info = cuda_info
         self.driver: DriverAPI = driver if driver is not None else Driver()
@@ -447,8 +490,9 @@ class CudaConsumer:
 
     def _map(self, handle: Any, size: int) -> _ConsumerSlab:
         try:
-            ptr = map_allocation(self.driver, handle, size, self._granularity(), self.ordinal,
-                                 read_only=True)
+            ptr = map_allocation(
+                self.driver, handle, size, self._granularity(), self.ordinal, read_only=True
+            )
         except BaseException:
             self.driver.mem_release(handle)
             raise
@@ -480,7 +524,8 @@ class CudaConsumer:
             if is_not_permitted(e):
                 raise CudaUnavailable(
                     "cannot import a FABRIC handle: this process has no access to the "
-                    "exporter's IMEX channel (/dev/nvidia-caps-imex-channels)") from e
+                    "exporter's IMEX channel (/dev/nvidia-caps-imex-channels)"
+                ) from e
             raise
         return self._map(handle, size)
 
@@ -491,13 +536,15 @@ class CudaConsumer:
 
     def wait_ready(self, slot: int, gen: int) -> None:
         """Enqueue, on the current stream, a wait until the slot's ready word >= ``gen``."""
-        self.driver.stream_wait_value32_geq(self.rt.current_stream(),
-                                            self._word(slot, READY_OFFSET), gen)
+        self.driver.stream_wait_value32_geq(
+            self.rt.current_stream(), self._word(slot, READY_OFFSET), gen
+        )
 
     def ack(self, slot: int, gen: int) -> None:
         """Enqueue, on the current stream (after your reads), the write of the ack word."""
-        self.driver.stream_write_value32(self.rt.current_stream(),
-                                         self._word(slot, ACK_OFFSET), gen)
+        self.driver.stream_write_value32(
+            self.rt.current_stream(), self._word(slot, ACK_OFFSET), gen
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -523,7 +570,8 @@ def _pick_device(device: torch.device | None, cuda_info: dict[str, Any]) -> int:
         return device.index if device.index is not None else torch.cuda.current_device()
     if not torch.cuda.is_available():
         raise CudaUnavailable(
-            "the producer's pool is on the GPU (cuda_vmm) but this process sees no CUDA device")
+            "the producer's pool is on the GPU (cuda_vmm) but this process sees no CUDA device"
+        )
     uuid = cuda_info.get("device_uuid")
     if uuid:
         for i in range(torch.cuda.device_count()):
@@ -531,5 +579,6 @@ def _pick_device(device: torch.device | None, cuda_info: dict[str, Any]) -> int:
                 return i
         raise CudaUnavailable(
             f"the producer's GPU {uuid} is not visible to this process; make it visible "
-            f"(CUDA_VISIBLE_DEVICES, or the same ResourceClaim) or pass device=")
+            f"(CUDA_VISIBLE_DEVICES, or the same ResourceClaim) or pass device="
+        )
     return torch.cuda.current_device()

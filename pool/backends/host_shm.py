@@ -21,8 +21,9 @@ def map_slab(fd: int, size: int, *, writable: bool) -> mmap.mmap:
     return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
 
 
-def tensor_over(buf: mmap.mmap, offset: int, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_over(
+    buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A zero-copy tensor over ``buf[offset:]``. Read-only buffers give read-only memory:
     writing through such a tensor faults, which is the point."""
     count = 1
@@ -54,8 +55,9 @@ class HostShmBackend:
             self.close()
             raise
 
-    def publish(self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int,
-                gen: int) -> None:
+    def publish(
+        self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int, gen: int
+    ) -> None:
         dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
         dst.copy_(tensor)  # from any device: a GPU tensor is copied down here
         ctrl.set_ready(slot, gen)  # after the bytes: x86 and arm64 stores stay in order here

@@ -49,12 +49,33 @@ def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]
     port = free_port()
     sock = tmp_path / "featpool.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu", "--encoder",
-         "tiny-test", "--http-workers", "2", "--socket-path", str(sock),
-         "--host-pool-bytes", "16777216", "--reap-interval-s", "0.01",
-         "--max-body-bytes", "200000"],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--encoder",
+            "tiny-test",
+            "--http-workers",
+            "2",
+            "--socket-path",
+            str(sock),
+            "--host-pool-bytes",
+            "16777216",
+            "--reap-interval-s",
+            "0.01",
+            "--max-body-bytes",
+            "200000",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -79,26 +100,37 @@ def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]
 def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
     url, sock, proc = fronted
     assert len(descendants(proc.pid)) >= 3  # the front supervisor and its two workers
-    r = httpx.post(f"{url}/v1/encode", files=[
-        ("image", ("a.jpg", image_bytes("JPEG", size=(64, 48)), "image/jpeg")),
-        ("image", ("b.png", image_bytes("PNG", seed=2), "image/png"))])
+    r = httpx.post(
+        f"{url}/v1/encode",
+        files=[
+            ("image", ("a.jpg", image_bytes("JPEG", size=(64, 48)), "image/jpeg")),
+            ("image", ("b.png", image_bytes("PNG", seed=2), "image/png")),
+        ],
+    )
     assert r.status_code == 200, r.text
     leases = r.json()["items"]
     assert [x["shape"] for x in leases] == [[17, 64], [17, 64]]
 
     # Errors keep their status and shape through the front.
-    bad = httpx.post(f"{url}/v1/encode", content=b"nope" * 10,
-                     headers={"content-type": "image/jpeg"})
+    bad = httpx.post(
+        f"{url}/v1/encode", content=b"nope" * 10, headers={"content-type": "image/jpeg"}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_image"
-    big = httpx.post(f"{url}/v1/encode", content=b"\xff" * 300_000,
-                     headers={"content-type": "image/jpeg"})
+    big = httpx.post(
+        f"{url}/v1/encode", content=b"\xff" * 300_000, headers={"content-type": "image/jpeg"}
+    )
     assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
     assert httpx.get(f"{url}/v1/leases/nope").status_code == 404
     assert "/v1/encode" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
     # A consumer maps them through the hand-off socket as usual.
-    done = subprocess.run([sys.executable, "-c", CONSUMER, str(sock), json.dumps(leases)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CONSUMER, str(sock), json.dumps(leases)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + 5
     while httpx.get(f"{url}/v1/pool").json()["leases_active"] and time.monotonic() < deadline:
@@ -110,7 +142,8 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[st
 
 
 def test_stopping_the_server_stops_the_fronts(
-        fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
+    fronted: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
     _, _, proc = fronted
     fronts = descendants(proc.pid)
     assert fronts
@@ -119,7 +152,11 @@ def test_stopping_the_server_stops_the_fronts(
     deadline = time.monotonic() + 15
     alive = fronts
     while alive and time.monotonic() < deadline:
-        alive = {p for p in fronts if Path(f"/proc/{p}").exists()
-                 and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]}
+        alive = {
+            p
+            for p in fronts
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
+        }
         time.sleep(0.2)
     assert not alive, f"front processes left running: {alive}"

@@ -34,12 +34,27 @@ def free_port() -> int:
 def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     port = free_port()
     sock = tmp_path / "featpool.sock"
-    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock),
-           "FEATPOOL_HOST_POOL_BYTES": "16777216"}
+    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock), "FEATPOOL_HOST_POOL_BYTES": "16777216"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
-         "--encoder", "tiny-test", "--reap-interval-s", "0.01"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--encoder",
+            "tiny-test",
+            "--reap-interval-s",
+            "0.01",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -82,8 +97,13 @@ print(json.dumps(out))
 def test_upload_then_consume_in_another_process(server: tuple[str, Path]) -> None:
     url, sock = server
     jpeg, png = image_bytes("JPEG", size=(320, 240)), image_bytes("PNG", size=(64, 128), seed=3)
-    r = httpx.post(f"{url}/v1/encode", files=[("image", ("cat.jpg", jpeg, "image/jpeg")),
-                                              ("image", ("dog.png", png, "image/png"))])
+    r = httpx.post(
+        f"{url}/v1/encode",
+        files=[
+            ("image", ("cat.jpg", jpeg, "image/jpeg")),
+            ("image", ("dog.png", png, "image/png")),
+        ],
+    )
     assert r.status_code == 200, r.text
     leases = r.json()["items"]
     assert len(leases) == 2 and all(x["transport"] == "host_shm" for x in leases)
@@ -102,7 +122,11 @@ def test_upload_then_consume_in_another_process(server: tuple[str, Path]) -> Non
     # A separate consumer process (one lease by descriptor, one by ID alone).
     done = subprocess.run(
         [sys.executable, "-c", CONSUMER, str(sock), json.dumps([leases[0], leases[1]["lease_id"]])],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert [g["sha256"] for g in got] == expected
@@ -122,14 +146,24 @@ def test_upload_then_consume_in_another_process(server: tuple[str, Path]) -> Non
 
 def test_consumer_killed_holding_leases_they_expire(server: tuple[str, Path]) -> None:
     url, sock = server
-    r = httpx.post(f"{url}/v1/encode?ttl_s=8", content=image_bytes("JPEG"),
-                   headers={"content-type": "image/jpeg"})
+    r = httpx.post(
+        f"{url}/v1/encode?ttl_s=8",
+        content=image_bytes("JPEG"),
+        headers={"content-type": "image/jpeg"},
+    )
     lease = r.json()["items"][0]
-    code = ("import sys, os, signal, json; from pool.client import FeatureClient\n"
-            "c = FeatureClient.connect(sys.argv[1]); c.open(json.loads(sys.argv[2]))\n"
-            "print('holding', flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(sock), json.dumps(lease)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, os, signal, json; from pool.client import FeatureClient\n"
+        "c = FeatureClient.connect(sys.argv[1]); c.open(json.loads(sys.argv[2]))\n"
+        "print('holding', flush=True); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(sock), json.dumps(lease)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -9 and "holding" in done.stdout
     assert httpx.get(f"{url}/v1/pool").json()["leases_active"] == 1  # still held...
     deadline = time.monotonic() + 15

@@ -30,13 +30,32 @@ def subprocess_env() -> dict[str, str]:
 
 
 class Producer:
-    def __init__(self, socket_path: Path, *, pool_mb: int = 64, slab_mb: int = 32,
-                 max_leases: int = 256, reaper_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        pool_mb: int = 64,
+        slab_mb: int = 32,
+        max_leases: int = 256,
+        reaper_s: float = 0.02,
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu.producer_proc", str(socket_path), str(pool_mb),
-             str(slab_mb), str(max_leases), str(reaper_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-            env=subprocess_env())
+            [
+                sys.executable,
+                "-m",
+                "tests.gpu.producer_proc",
+                str(socket_path),
+                str(pool_mb),
+                str(slab_mb),
+                str(max_leases),
+                str(reaper_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=subprocess_env(),
+        )
         self.hello = self._read()
 
     def _read(self) -> dict[str, Any]:

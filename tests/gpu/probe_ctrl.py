@@ -33,8 +33,10 @@ def child(fd: int) -> None:
     print("enqueued", flush=True)
     t0 = time.perf_counter()
     rt.synchronize()
-    print(json.dumps({"child_waited_s": time.perf_counter() - t0,
-                      "same_ptr": dptr == ctrl.address}), flush=True)
+    print(
+        json.dumps({"child_waited_s": time.perf_counter() - t0, "same_ptr": dptr == ctrl.address}),
+        flush=True,
+    )
     drv.host_unregister(ctrl.address)
 
 
@@ -47,8 +49,12 @@ def parent() -> None:
     drv.host_register(ctrl.address, ctrl.size)
     dptr = drv.host_device_pointer(ctrl.address)
     os.set_inheritable(ctrl.fd, True)
-    p = subprocess.Popen([sys.executable, "-m", "tests.gpu.probe_ctrl", str(ctrl.fd)],
-                         stdout=subprocess.PIPE, text=True, pass_fds=(ctrl.fd,))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.gpu.probe_ctrl", str(ctrl.fd)],
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=(ctrl.fd,),
+    )
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "enqueued"
     time.sleep(0.3)
@@ -60,11 +66,20 @@ def parent() -> None:
     seen = time.perf_counter() - t0
     child_report = json.loads(p.stdout.readline())
     p.wait(timeout=30)
-    print(json.dumps({"probe": "host-registered memfd control words",
-                      "ack_before_ready": ack_before, "ack_after": ctrl.ack(0),
-                      "ready_host": ctrl.ready(0), "ack_seen_after_s": seen,
-                      "works": ack_before == 0 and ctrl.ack(0) == 1 and ctrl.ready(0) == 1,
-                      **child_report}), flush=True)
+    print(
+        json.dumps(
+            {
+                "probe": "host-registered memfd control words",
+                "ack_before_ready": ack_before,
+                "ack_after": ctrl.ack(0),
+                "ready_host": ctrl.ready(0),
+                "ack_seen_after_s": seen,
+                "works": ack_before == 0 and ctrl.ack(0) == 1 and ctrl.ready(0) == 1,
+                **child_report,
+            }
+        ),
+        flush=True,
+    )
     rt.synchronize()
     drv.host_unregister(ctrl.address)
 

@@ -25,8 +25,10 @@ def main() -> None:
     server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
     server.start()
     out = sys.stdout
-    out.write(json.dumps({"op": "ready", "epoch": pool.epoch,
-                          "fabric": backend.fabric_status.reason}) + "\n")
+    out.write(
+        json.dumps({"op": "ready", "epoch": pool.epoch, "fabric": backend.fabric_status.reason})
+        + "\n"
+    )
     out.flush()
     for line in sys.stdin:
         msg = json.loads(line)
@@ -43,8 +45,9 @@ def main() -> None:
     pool.close()
 
 
-def handle(op: str, msg: dict[str, Any], pool: FeaturePool, backend: CudaVmmBackend,
-           dev: torch.device) -> dict[str, Any]:
+def handle(
+    op: str, msg: dict[str, Any], pool: FeaturePool, backend: CudaVmmBackend, dev: torch.device
+) -> dict[str, Any]:
     reply: dict[str, Any] = {"op": op}
     if op == "put":
         data = pattern(int(msg["nbytes"]), int(msg["seed"]), dev).view(parse_dtype(msg["dtype"]))
@@ -67,9 +70,12 @@ def context_report(backend: CudaVmmBackend) -> dict[str, Any]:
     a driver call made from a thread torch never used."""
     drv: Any = backend.driver
     t = torch.empty(16, device=backend.device)
-    report = {"current": drv.current_context(), "primary": drv.primary_context(),
-              "slab": drv.pointer_context(backend._slabs[0].ptr),
-              "torch_tensor": drv.pointer_context(t.data_ptr())}
+    report = {
+        "current": drv.current_context(),
+        "primary": drv.primary_context(),
+        "slab": drv.pointer_context(backend._slabs[0].ptr),
+        "torch_tensor": drv.pointer_context(t.data_ptr()),
+    }
 
     def other() -> None:
         backend.driver.granularity(0, backend.handle_types)  # any call: sets the context

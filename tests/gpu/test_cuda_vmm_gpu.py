@@ -113,20 +113,26 @@ def test_consumer_mapping_is_zero_copy(producer: Producer, client: Any) -> None:
     client.release(desc)
 
 
-def test_write_through_read_only_mapping_is_refused(producer: Producer, client: Any,
-                                                    sock: Path) -> None:
+def test_write_through_read_only_mapping_is_refused(
+    producer: Producer, client: Any, sock: Path
+) -> None:
     desc = producer.call("put", nbytes=4096, dtype="uint8", seed=5)["lease"]
-    r = subprocess.run([sys.executable, "-m", "tests.gpu.readonly_writer", str(sock),
-                        json.dumps(desc)], check=False, capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env=subprocess_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.readonly_writer", str(sock), json.dumps(desc)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
     print(r.stdout, r.stderr[-2000:])
     assert "REFUSED" in r.stdout, r.stdout + r.stderr[-2000:]
     assert torch.equal(as_bytes(client.open(desc)), expected(desc, 5))  # bytes unchanged
     client.release(desc)
 
 
-def test_consumer_stream_waits_for_a_delayed_producer_copy(producer: Producer,
-                                                          client: Any) -> None:
+def test_consumer_stream_waits_for_a_delayed_producer_copy(producer: Producer, client: Any) -> None:
     cycles = 600_000_000  # about 0.3 s at H200 clocks
     t0 = time.perf_counter()
     reply = producer.call("put", nbytes=8 << 20, dtype="bfloat16", seed=9, sleep_cycles=cycles)

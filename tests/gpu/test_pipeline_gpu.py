@@ -32,9 +32,17 @@ log = logging.getLogger(__name__)
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     sock = tmp_path_factory.mktemp("sock") / "featpool.sock"
-    base = dict(device="cuda", encoder="vit-b16-224", socket_path=sock, pool_bytes=256 << 20,
-                host_pool_bytes=64 << 20, slab_bytes=64 << 20, max_batch_size=32,
-                max_batch_wait_ms=20.0, gpu_decode="on")
+    base = dict(
+        device="cuda",
+        encoder="vit-b16-224",
+        socket_path=sock,
+        pool_bytes=256 << 20,
+        host_pool_bytes=64 << 20,
+        slab_bytes=64 << 20,
+        max_batch_size=32,
+        max_batch_wait_ms=20.0,
+        gpu_decode="on",
+    )
     last: Exception | None = None
     for transport in ("cuda_vmm", "host_shm"):
         try:
@@ -72,18 +80,21 @@ def test_nvjpeg_refuses_only_the_bad_image() -> None:
     good = jpeg(photo(256, 192))
     bad = bogus_huffman(good)
     assert inspect(bad, **LIMITS).gpu_jpeg
-    outs = dec.decode([torch.frombuffer(bytearray(x), dtype=torch.uint8)
-                       for x in (good, bad, good)])
+    outs = dec.decode(
+        [torch.frombuffer(bytearray(x), dtype=torch.uint8) for x in (good, bad, good)]
+    )
     assert isinstance(outs[0], torch.Tensor) and isinstance(outs[2], torch.Tensor)
     print(f"nvJPEG on a bogus Huffman table: {type(outs[1]).__name__}")
 
 
 def test_http_path_many_images_per_request(client: TestClient) -> None:
-    imgs = [("a.jpg", jpeg(photo(1024, 768, 1), quality=90), "image/jpeg"),
-            ("b.jpg", jpeg(photo(640, 960, 2), orientation=6), "image/jpeg"),
-            ("c.png", image_bytes("PNG", size=(300, 200), mode="RGBA"), "image/png"),
-            ("d.jpg", image_bytes("JPEG", mode="CMYK"), "image/jpeg"),
-            ("e.jpg", image_bytes("JPEG", mode="L"), "image/jpeg")]
+    imgs = [
+        ("a.jpg", jpeg(photo(1024, 768, 1), quality=90), "image/jpeg"),
+        ("b.jpg", jpeg(photo(640, 960, 2), orientation=6), "image/jpeg"),
+        ("c.png", image_bytes("PNG", size=(300, 200), mode="RGBA"), "image/png"),
+        ("d.jpg", image_bytes("JPEG", mode="CMYK"), "image/jpeg"),
+        ("e.jpg", image_bytes("JPEG", mode="L"), "image/jpeg"),
+    ]
     r = client.post("/v1/encode", files=[("image", i) for i in imgs])
     assert r.status_code == 200, r.text
     items = r.json()["items"]
@@ -99,8 +110,9 @@ def test_http_path_many_images_per_request(client: TestClient) -> None:
 
 def test_options_on_gpu(client: TestClient) -> None:
     data = jpeg(photo(512, 512, 3))
-    r = client.post("/v1/encode?pooled=true&dtype=float32", content=data,
-                    headers={"content-type": "image/jpeg"})
+    r = client.post(
+        "/v1/encode?pooled=true&dtype=float32", content=data, headers={"content-type": "image/jpeg"}
+    )
     assert r.status_code == 200, r.text
     item = r.json()["items"][0]
     assert item["shape"] == [768] and item["dtype"] == "float32"
@@ -114,12 +126,14 @@ def test_gpu_decode_features_match_pillow_path(client: TestClient) -> None:
     a = client.post("/v1/encode?dtype=float32", content=data, headers=headers).json()["items"][0]
     jpeg_decoder, engine.jpeg = engine.jpeg, None
     try:
-        b = client.post("/v1/encode?dtype=float32", content=data,
-                        headers=headers).json()["items"][0]
+        b = client.post("/v1/encode?dtype=float32", content=data, headers=headers).json()["items"][
+            0
+        ]
     finally:
         engine.jpeg = jpeg_decoder
-    fa, fb = (load(client.get(f"/v1/leases/{x['lease_id']}/tensor").content)["features"]
-              for x in (a, b))
+    fa, fb = (
+        load(client.get(f"/v1/leases/{x['lease_id']}/tensor").content)["features"] for x in (a, b)
+    )
     cos = torch.nn.functional.cosine_similarity(fa.flatten(), fb.flatten(), dim=0)
     print(f"cosine(GPU decode, Pillow decode) = {cos:.4f}")
     assert cos > 0.98
@@ -132,11 +146,15 @@ def test_bad_jpeg_is_a_400_and_fails_alone(client: TestClient) -> None:
     before = occupancy(client)
     headers = {"content-type": "image/jpeg"}
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        futs = {name: ex.submit(client.post, "/v1/encode", content=body, headers=headers)
-                for name, body in (("bogus_huffman", bogus_huffman(good)),
-                                   ("truncated", good[: len(good) // 2]),
-                                   ("garbage", b"\xff\xd8\xff" + bytes(100)),
-                                   ("good", good))}
+        futs = {
+            name: ex.submit(client.post, "/v1/encode", content=body, headers=headers)
+            for name, body in (
+                ("bogus_huffman", bogus_huffman(good)),
+                ("truncated", good[: len(good) // 2]),
+                ("garbage", b"\xff\xd8\xff" + bytes(100)),
+                ("good", good),
+            )
+        }
         res = {k: f.result() for k, f in futs.items()}
     assert res["good"].status_code == 200, res["good"].text
     for name in ("bogus_huffman", "truncated", "garbage"):
@@ -151,5 +169,3 @@ def test_metrics_after_traffic(client: TestClient) -> None:
     text = client.get("/metrics").text
     assert 'featpool_images_total{outcome="encoded"}' in text
     assert "featpool_batch_size_bucket" in text
-
-
