@@ -59,8 +59,13 @@ def client_proc(job: ClientJob) -> dict[str, Any]:
 
 
 async def _client(job: ClientJob) -> dict[str, Any]:
-    url, images, conc, per_request, multipart = (job.url, job.images, job.conc,
-                                                  job.per_request, job.multipart)
+    url, images, conc, per_request, multipart = (
+        job.url,
+        job.images,
+        job.conc,
+        job.per_request,
+        job.multipart,
+    )
     lat: list[float] = []
     status: dict[int, int] = {}
     done_images = 0
@@ -78,12 +83,15 @@ async def _client(job: ClientJob) -> dict[str, Any]:
                 if t0 >= t_end:
                     return
                 if multipart:
-                    files = [("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
-                             for k in range(per_request)]
+                    files = [
+                        ("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
+                        for k in range(per_request)
+                    ]
                     r = await http.post(url, files=files)
                 else:
-                    r = await http.post(url, content=images[i % len(images)],
-                                        headers={"content-type": "image/jpeg"})
+                    r = await http.post(
+                        url, content=images[i % len(images)], headers={"content-type": "image/jpeg"}
+                    )
                 t1 = time.perf_counter()
                 i += per_request
                 if t0 >= t_measure and t1 <= t_end:
@@ -100,8 +108,13 @@ def scrape(base: str) -> dict[str, float]:
     """Sums and counts of the server's histograms, to split its time."""
     text = httpx.get(f"{base}/metrics", timeout=10).text
     out: dict[str, float] = {}
-    for name in ("decode_duration_seconds", "queue_wait_seconds", "encode_duration_seconds",
-                 "batch_size", "publish_duration_seconds"):
+    for name in (
+        "decode_duration_seconds",
+        "queue_wait_seconds",
+        "encode_duration_seconds",
+        "batch_size",
+        "publish_duration_seconds",
+    ):
         for kind in ("sum", "count"):
             m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
             out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
@@ -115,28 +128,62 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         n = d[f"{name}_count"]
         return d[f"{name}_sum"] / n * scale if n else float("nan")
 
-    return {"decode_ms": mean("decode_duration_seconds", 1e3),
-            "queue_ms": mean("queue_wait_seconds", 1e3),
-            "encode_ms_per_batch": mean("encode_duration_seconds", 1e3),
-            "publish_us": mean("publish_duration_seconds", 1e6),
-            "mean_batch": mean("batch_size"), "batches": d["batch_size_count"]}
+    return {
+        "decode_ms": mean("decode_duration_seconds", 1e3),
+        "queue_ms": mean("queue_wait_seconds", 1e3),
+        "encode_ms_per_batch": mean("encode_duration_seconds", 1e3),
+        "publish_us": mean("publish_duration_seconds", 1e6),
+        "mean_batch": mean("batch_size"),
+        "batches": d["batch_size_count"],
+    }
 
 
 class Server:
     def __init__(self, args: argparse.Namespace, extra: list[str], log: Path) -> None:
         self.base = f"http://127.0.0.1:{args.port}"
         self.transport = "?"
-        cmd = [sys.executable, "-m", "app", "--device", args.device, "--encoder", args.encoder,
-               "--port", str(args.port), "--socket-path", f"/tmp/featpool-bench-{args.port}.sock",
-               "--max-leases", "65536", "--pool-bytes", str(args.pool_bytes),
-               "--host-pool-bytes", str(args.pool_bytes), "--slab-bytes", str(512 << 20),
-               "--queue-size", "8192", "--max-images-per-request", "64",
-               "--lease-ttl-s", "2", "--log-level", "WARNING", *args.server_args, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "--device",
+            args.device,
+            "--encoder",
+            args.encoder,
+            "--port",
+            str(args.port),
+            "--socket-path",
+            f"/tmp/featpool-bench-{args.port}.sock",
+            "--max-leases",
+            "65536",
+            "--pool-bytes",
+            str(args.pool_bytes),
+            "--host-pool-bytes",
+            str(args.pool_bytes),
+            "--slab-bytes",
+            str(512 << 20),
+            "--queue-size",
+            "8192",
+            "--max-images-per-request",
+            "64",
+            "--lease-ttl-s",
+            "2",
+            "--log-level",
+            "WARNING",
+            *args.server_args,
+            *extra,
+        ]
         self.cmd = cmd
         self.log = log.open("w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         deadline = time.time() + args.start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -163,18 +210,30 @@ class Server:
         self.log.close()
 
 
-def run_point(args: argparse.Namespace, srv: Server, images: list[bytes], p: Point
-              ) -> dict[str, Any]:
+def run_point(
+    args: argparse.Namespace, srv: Server, images: list[bytes], p: Point
+) -> dict[str, Any]:
     procs = min(args.client_procs, p.concurrency)
-    per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0)
-           for i in range(procs)]
+    per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0) for i in range(procs)]
     before = scrape(srv.base)
     ctx = get_context("spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
-        futs = [ex.submit(client_proc, ClientJob(f"{srv.base}/v1/encode", images, c,
-                                                 args.seconds, args.warmup, p.per_request,
-                                                 p.multipart, i))
-                for i, c in enumerate(per)]
+        futs = [
+            ex.submit(
+                client_proc,
+                ClientJob(
+                    f"{srv.base}/v1/encode",
+                    images,
+                    c,
+                    args.seconds,
+                    args.warmup,
+                    p.per_request,
+                    p.multipart,
+                    i,
+                ),
+            )
+            for i, c in enumerate(per)
+        ]
         parts = [f.result() for f in futs]
     after = scrape(srv.base)
     lat = np.array([x for part in parts for x in part["lat"]])
@@ -183,12 +242,18 @@ def run_point(args: argparse.Namespace, srv: Server, images: list[bytes], p: Poi
         for k, v in part["status"].items():
             status[str(k)] = status.get(str(k), 0) + v
     n_img = sum(part["images"] for part in parts)
-    row = {"server": p.server, "concurrency": p.concurrency, "images_per_request":
-           p.per_request, "body": "multipart" if p.multipart else "raw",
-           "images_per_s": n_img / args.seconds, "requests": int(lat.size),
-           "p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else float("nan"),
-           "p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else float("nan"),
-           "status": status, **delta(before, after)}
+    row = {
+        "server": p.server,
+        "concurrency": p.concurrency,
+        "images_per_request": p.per_request,
+        "body": "multipart" if p.multipart else "raw",
+        "images_per_s": n_img / args.seconds,
+        "requests": int(lat.size),
+        "p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else float("nan"),
+        "status": status,
+        **delta(before, after),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -216,13 +281,19 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--pool-bytes", type=int, default=4 << 30)
     ap.add_argument("--start-timeout", type=float, default=300.0)
-    ap.add_argument("--points", default="raw:1x16,raw:1x64,raw:1x256,mp:8x32",
-                    help="featpool points: body:images_per_request x concurrency")
+    ap.add_argument(
+        "--points",
+        default="raw:1x16,raw:1x64,raw:1x256,mp:8x32",
+        help="featpool points: body:images_per_request x concurrency",
+    )
     ap.add_argument("--baseline-points", default="raw:1x16,raw:1x64")
-    ap.add_argument("--featpool-args", default="--max-batch-size 128 --max-batch-wait-ms 4 "
-                    "--decode-workers 8")
-    ap.add_argument("--baseline-args", default="--max-batch-size 1 --max-batch-wait-ms 0 "
-                    "--gpu-decode off --decode-workers 1")
+    ap.add_argument(
+        "--featpool-args", default="--max-batch-size 128 --max-batch-wait-ms 4 --decode-workers 8"
+    )
+    ap.add_argument(
+        "--baseline-args",
+        default="--max-batch-size 1 --max-batch-wait-ms 0 --gpu-decode off --decode-workers 1",
+    )
     ap.add_argument("--server-args", nargs="*", default=[], help="passed to both servers")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path)
@@ -230,32 +301,44 @@ def main() -> None:
 
     t0 = time.time()
     images = [photo_jpeg(i, args.width, args.height) for i in range(args.images)]
-    print(f"{len(images)} JPEGs {args.width}x{args.height}, mean "
-          f"{np.mean([len(i) for i in images]) / 1e3:.0f} KB, made in {time.time() - t0:.1f} s",
-          flush=True)
+    print(
+        f"{len(images)} JPEGs {args.width}x{args.height}, mean "
+        f"{np.mean([len(i) for i in images]) / 1e3:.0f} KB, made in {time.time() - t0:.1f} s",
+        flush=True,
+    )
     rows = []
-    for name, extra, spec in (("featpool", args.featpool_args, args.points),
-                              ("naive", args.baseline_args, args.baseline_points)):
+    for name, extra, spec in (
+        ("featpool", args.featpool_args, args.points),
+        ("naive", args.baseline_args, args.baseline_points),
+    ):
         srv = Server(args, extra.split(), args.logs / f"bench_server_{name}.log")
         print(f"{name} (transport {srv.transport}): {' '.join(srv.cmd[1:])}", flush=True)
         try:
             rows += [run_point(args, srv, images, p) for p in parse_points(spec, name)]
         finally:
             srv.close()
-    best = {s: max((r["images_per_s"] for r in rows if r["server"] == s), default=0.0)
-            for s in ("featpool", "naive")}
-    print("\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
-          "decode ms | queue ms | encode ms/batch | non-200 |")
+    best = {
+        s: max((r["images_per_s"] for r in rows if r["server"] == s), default=0.0)
+        for s in ("featpool", "naive")
+    }
+    print(
+        "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
+        "decode ms | queue ms | encode ms/batch | non-200 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
-        print(f"| {r['server']} | {r['body']} | {r['images_per_request']} | {r['concurrency']} "
-              f"| {r['images_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-              f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
-              f"{r['encode_ms_per_batch']:.1f} | {bad or '-'} |")
+        print(
+            f"| {r['server']} | {r['body']} | {r['images_per_request']} | {r['concurrency']} "
+            f"| {r['images_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
+            f"{r['encode_ms_per_batch']:.1f} | {bad or '-'} |"
+        )
     ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
-    print(f"\nbest featpool {best['featpool']:.0f} images/s, best naive {best['naive']:.0f} "
-          f"images/s, ratio {ratio:.1f}x")
+    print(
+        f"\nbest featpool {best['featpool']:.0f} images/s, best naive {best['naive']:.0f} "
+        f"images/s, ratio {ratio:.1f}x"
+    )
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "best": best, "ratio": ratio}, indent=1))
 

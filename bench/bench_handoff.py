@@ -88,8 +88,9 @@ def consumer(conn: Connection, sock: str) -> None:
 # ---- producer measurements -----------------------------------------------------------------
 
 
-def publish_host_time(backend: CudaVmmBackend, pool: FeaturePool, feat: torch.Tensor,
-                      iters: int) -> dict[str, Any]:
+def publish_host_time(
+    backend: CudaVmmBackend, pool: FeaturePool, feat: torch.Tensor, iters: int
+) -> dict[str, Any]:
     nbytes = feat.numel() * feat.element_size()
     extent = Extent(0, 0, nbytes)
     slot = pool.leases.max_slots - 1  # a slot the pool itself will not reach here
@@ -120,8 +121,10 @@ def publish_host_time(backend: CudaVmmBackend, pool: FeaturePool, feat: torch.Te
         times.append((time.perf_counter_ns() - t0) / 1e3)
         pool.release(lease.id)
     torch.cuda.synchronize()
-    res["pool_put_us_9.8MB"] = {"median": statistics.median(times[10:]),
-                                "p90": pct(times[10:], 0.9)}
+    res["pool_put_us_9.8MB"] = {
+        "median": statistics.median(times[10:]),
+        "p90": pct(times[10:], 0.9),
+    }
     # Baselines: what the producer's host spends on one hand-off with the other transports.
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -135,8 +138,8 @@ def publish_host_time(backend: CudaVmmBackend, pool: FeaturePool, feat: torch.Te
         t0 = time.perf_counter_ns()
         reduce_tensor(feat)
         ipc.append((time.perf_counter_ns() - t0) / 1e3)
-    res["cpu_bytes_serialize_us_9.8MB"] = {"median": statistics.median(cpu), "p90": pct(cpu, .9)}
-    res["cuda_ipc_reduce_us_9.8MB"] = {"median": statistics.median(ipc), "p90": pct(ipc, .9)}
+    res["cpu_bytes_serialize_us_9.8MB"] = {"median": statistics.median(cpu), "p90": pct(cpu, 0.9)}
+    res["cuda_ipc_reduce_us_9.8MB"] = {"median": statistics.median(ipc), "p90": pct(ipc, 0.9)}
     return res
 
 
@@ -170,18 +173,30 @@ def copy_bandwidth(backend: CudaVmmBackend, pool: FeaturePool, reps: int) -> lis
                 end.synchronize()
                 spent.append(start.elapsed_time(end) / 1e3)
         tp, tc, td = (statistics.median(secs[k]) for k in ("publish", "copy", "d2d"))
-        rows.append({"size_mb": mb, "publish_GBps": copies * n / tp / 1e9,
-                     "copy_GBps": copies * n / tc / 1e9, "d2d_GBps": copies * n / td / 1e9,
-                     "publish_fraction": td / tp, "copy_fraction": td / tc,
-                     "ready_write_overhead_us": (tp - tc) / copies * 1e6})
+        rows.append(
+            {
+                "size_mb": mb,
+                "publish_GBps": copies * n / tp / 1e9,
+                "copy_GBps": copies * n / tc / 1e9,
+                "d2d_GBps": copies * n / td / 1e9,
+                "publish_fraction": td / tp,
+                "copy_fraction": td / tc,
+                "ready_write_overhead_us": (tp - tc) / copies * 1e6,
+            }
+        )
     return rows
 
 
-def handoff_latency(conn: Connection, pool: FeaturePool, base: torch.Tensor,
-                    iters: int) -> dict[str, Any]:
+def handoff_latency(
+    conn: Connection, pool: FeaturePool, base: torch.Tensor, iters: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind, n in (("ping", iters), ("cuda_vmm", iters), ("cuda_ipc", iters),
-                    ("cpu_bytes", max(10, iters // 5))):
+    for kind, n in (
+        ("ping", iters),
+        ("cuda_vmm", iters),
+        ("cuda_ipc", iters),
+        ("cpu_bytes", max(10, iters // 5)),
+    ):
         lat: list[float] = []
         send: list[float] = []
         read: list[float] = []
@@ -208,17 +223,29 @@ def handoff_latency(conn: Connection, pool: FeaturePool, base: torch.Tensor,
                 send.append((t_sent - t0) * 1e6)  # producer: publish + describe + send
                 read.append((t1 - t_recv) * 1e6)  # consumer: open/rebuild + read one element
             del feat
-        out[kind] = {"median_us": statistics.median(lat), "p90_us": pct(lat, 0.9), "n": len(lat),
-                     "producer_median_us": statistics.median(send),
-                     "consumer_median_us": statistics.median(read)}
+        out[kind] = {
+            "median_us": statistics.median(lat),
+            "p90_us": pct(lat, 0.9),
+            "n": len(lat),
+            "producer_median_us": statistics.median(send),
+            "consumer_median_us": statistics.median(read),
+        }
     return out
 
 
 def machine() -> dict[str, str]:
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True,
-                             check=False, timeout=30).stdout.strip().splitlines()[0]
+        smi = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, IndexError, subprocess.TimeoutExpired):
         smi = "unknown"
     try:
@@ -227,8 +254,12 @@ def machine() -> dict[str, str]:
         cb = str(cuda.bindings.__version__)
     except ImportError:
         cb = "absent"
-    return {"gpu": smi, "torch": torch.__version__, "cuda_bindings": cb,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "gpu": smi,
+        "torch": torch.__version__,
+        "cuda_bindings": cb,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def main() -> None:
@@ -253,8 +284,10 @@ def main() -> None:
     proc.start()
     assert parent.recv() == "attached"
 
-    result: dict[str, Any] = {"machine": machine(),
-                              "fabric": backend.fabric_status.reason or "available"}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "fabric": backend.fabric_status.reason or "available",
+    }
     result["publish"] = publish_host_time(backend, pool, base, args.iters)
     result["copy"] = copy_bandwidth(backend, pool, reps=5)
     result["handoff"] = handoff_latency(parent, pool, base, args.latency_iters)
@@ -268,10 +301,14 @@ def main() -> None:
     speedup = hand["cpu_bytes"]["median_us"] / hand["cuda_vmm"]["median_us"]
     result["targets"] = {
         "publish_us<=20": pub["publish_driver_copy_us_9.8MB"]["median"] <= TARGET_PUBLISH_US,
-        "publish>=0.9_of_d2d_for_>=8MB": all(r["publish_fraction"] >= TARGET_COPY_FRACTION
-                                             for r in result["copy"] if r["size_mb"] >= 8),
-        "copy>=0.9_of_d2d_for_>=8MB": all(r["copy_fraction"] >= TARGET_COPY_FRACTION
-                                          for r in result["copy"] if r["size_mb"] >= 8),
+        "publish>=0.9_of_d2d_for_>=8MB": all(
+            r["publish_fraction"] >= TARGET_COPY_FRACTION
+            for r in result["copy"]
+            if r["size_mb"] >= 8
+        ),
+        "copy>=0.9_of_d2d_for_>=8MB": all(
+            r["copy_fraction"] >= TARGET_COPY_FRACTION for r in result["copy"] if r["size_mb"] >= 8
+        ),
         "speedup_vs_cpu>=100x": speedup >= TARGET_SPEEDUP,
         "speedup_vs_cpu": speedup,
         "speedup_vs_ipc": hand["cuda_ipc"]["median_us"] / hand["cuda_vmm"]["median_us"],
@@ -286,14 +323,18 @@ def main() -> None:
     print("\ninto the pool vs plain D2D, 20 back to back (GB/s, bytes counted once)")
     print("  size MB  publish     copy      d2d  publish/d2d  copy/d2d  ready write us")
     for r in result["copy"]:
-        print(f"  {r['size_mb']:7d} {r['publish_GBps']:8.0f} {r['copy_GBps']:8.0f} "
-              f"{r['d2d_GBps']:8.0f} {r['publish_fraction']:12.3f} {r['copy_fraction']:9.3f} "
-              f"{r['ready_write_overhead_us']:15.2f}")
+        print(
+            f"  {r['size_mb']:7d} {r['publish_GBps']:8.0f} {r['copy_GBps']:8.0f} "
+            f"{r['d2d_GBps']:8.0f} {r['publish_fraction']:12.3f} {r['copy_fraction']:9.3f} "
+            f"{r['ready_write_overhead_us']:15.2f}"
+        )
     print("\nhand-off of a 9.8 MB bf16 feature, producer -> consumer has read it (us)")
     for k, v in hand.items():
-        print(f"  {k:10s} median {v['median_us']:9.1f}  p90 {v['p90_us']:9.1f}  "
-              f"producer {v['producer_median_us']:8.1f}  consumer {v['consumer_median_us']:8.1f}"
-              f"  n={v['n']}")
+        print(
+            f"  {k:10s} median {v['median_us']:9.1f}  p90 {v['p90_us']:9.1f}  "
+            f"producer {v['producer_median_us']:8.1f}  consumer {v['consumer_median_us']:8.1f}"
+            f"  n={v['n']}"
+        )
     print(f"\ntargets: {json.dumps(result['targets'])}")
 
 

@@ -90,15 +90,22 @@ class Run:
         self.consumer: FeatureClient | None = None
         self.consumer_lock = threading.Lock()
 
-    async def client(self, http: httpx.AsyncClient, url: str, deadline: float,
-                     images: list[tuple[str, bytes, str]], rng: random.Random) -> None:
+    async def client(
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        deadline: float,
+        images: list[tuple[str, bytes, str]],
+        rng: random.Random,
+    ) -> None:
         while time.monotonic() < deadline:
             n = rng.choice([1, 1, 1, 2, 3])
             files = [("image", rng.choice(images)) for _ in range(n)]
             t0 = time.perf_counter()
             try:
-                r = await http.post(f"{url}/v1/encode", files=files,
-                                    params={"ttl_s": self.args.ttl})
+                r = await http.post(
+                    f"{url}/v1/encode", files=files, params={"ttl_s": self.args.ttl}
+                )
             except httpx.HTTPError as e:
                 self.status[f"transport:{type(e).__name__}"] += 1
                 continue
@@ -113,8 +120,9 @@ class Run:
             elif r.status_code >= 500:
                 self.errors.append(r.text[:300])
 
-    async def release(self, http: httpx.AsyncClient, url: str, item: dict[str, Any],
-                      rng: random.Random) -> None:
+    async def release(
+        self, http: httpx.AsyncClient, url: str, item: dict[str, Any], rng: random.Random
+    ) -> None:
         if item["tier"] != "inline" and self.consumer is not None and rng.random() < 0.5:
             with self.consumer_lock:
                 self.consumer.release(item)  # writes the ack word; the reaper recycles it
@@ -123,17 +131,23 @@ class Run:
         r = await http.delete(f"{url}/v1/leases/{item['lease_id']}")
         self.released["delete" if r.status_code == 204 else f"delete:{r.status_code}"] += 1
 
-    async def sampler(self, http: httpx.AsyncClient, url: str, pid: int, t0: float,
-                      stop: asyncio.Event) -> None:
+    async def sampler(
+        self, http: httpx.AsyncClient, url: str, pid: int, t0: float, stop: asyncio.Event
+    ) -> None:
         while not stop.is_set():
             try:
                 m = (await http.get(f"{url}/metrics")).text
                 p = (await http.get(f"{url}/v1/pool")).json()
                 used = sum(t["used_bytes"] for t in p["tiers"]) + p["inline"]["used_bytes"]
-                self.samples.append({
-                    "t": round(time.monotonic() - t0, 2), "rss_mb": rss_bytes(pid) / 2**20,
-                    "queue_depth": metric(m, "featpool_queue_depth"),
-                    "used_bytes": used, "leases_active": p["leases_active"]})
+                self.samples.append(
+                    {
+                        "t": round(time.monotonic() - t0, 2),
+                        "rss_mb": rss_bytes(pid) / 2**20,
+                        "queue_depth": metric(m, "featpool_queue_depth"),
+                        "used_bytes": used,
+                        "leases_active": p["leases_active"],
+                    }
+                )
             except (httpx.HTTPError, OSError) as e:
                 self.errors.append(f"sampler: {e}")
             try:
@@ -151,24 +165,29 @@ async def drive(run: Run, url: str, pid: int) -> dict[str, Any]:
         stop = asyncio.Event()
         sampler = asyncio.create_task(run.sampler(http, url, pid, t0, stop))
         deadline = t0 + a.duration
-        await asyncio.gather(*(run.client(http, url, deadline, images, random.Random(i))
-                               for i in range(a.clients)))
+        await asyncio.gather(
+            *(run.client(http, url, deadline, images, random.Random(i)) for i in range(a.clients))
+        )
         elapsed = time.monotonic() - t0
         # Acks are read by the reaper every --reap-interval-s; give it a moment.
         final: dict[str, int] = {}
         for _ in range(100):
             p = (await http.get(f"{url}/v1/pool")).json()
-            final = {"used_bytes": sum(t["used_bytes"] for t in p["tiers"])
-                     + p["inline"]["used_bytes"], "leases_active": p["leases_active"]}
+            final = {
+                "used_bytes": sum(t["used_bytes"] for t in p["tiers"]) + p["inline"]["used_bytes"],
+                "leases_active": p["leases_active"],
+            }
             if final == {"used_bytes": 0, "leases_active": 0}:
                 break
             await asyncio.sleep(0.05)
         stop.set()
         await sampler
         metrics_text = (await http.get(f"{url}/metrics")).text
-    return {"elapsed_s": elapsed, "final_occupancy": final,
-            "rejected_queue_full": metric(metrics_text,
-                                          'featpool_rejected_total{reason="queue_full"}')}
+    return {
+        "elapsed_s": elapsed,
+        "final_occupancy": final,
+        "rejected_queue_full": metric(metrics_text, 'featpool_rejected_total{reason="queue_full"}'),
+    }
 
 
 def summarize(run: Run, extra: dict[str, Any]) -> dict[str, Any]:
@@ -184,18 +203,29 @@ def summarize(run: Run, extra: dict[str, Any]) -> dict[str, Any]:
 
     requests = sum(run.status.values())
     res: dict[str, Any] = {
-        "encoder": a.encoder, "clients": a.clients, "queue_size": a.queue_size,
-        "max_batch_size": a.max_batch_size, "duration_s": a.duration,
-        "elapsed_s": round(extra["elapsed_s"], 1), "requests": requests,
-        "status_counts": dict(run.status), "images_encoded": run.images_ok,
+        "encoder": a.encoder,
+        "clients": a.clients,
+        "queue_size": a.queue_size,
+        "max_batch_size": a.max_batch_size,
+        "duration_s": a.duration,
+        "elapsed_s": round(extra["elapsed_s"], 1),
+        "requests": requests,
+        "status_counts": dict(run.status),
+        "images_encoded": run.images_ok,
         "images_per_s": round(run.images_ok / extra["elapsed_s"], 1),
         "share_429": round(run.status.get("429", 0) / max(requests, 1), 3),
-        "latency_ms_200": {"p50": round(pct(0.5), 1), "p90": round(pct(0.9), 1),
-                           "p99": round(pct(0.99), 1)},
+        "latency_ms_200": {
+            "p50": round(pct(0.5), 1),
+            "p90": round(pct(0.9), 1),
+            "p99": round(pct(0.99), 1),
+        },
         "released": dict(run.released),
         "samples": len(s),
-        "rss_mb": {"first_third_mean": round(rss_first, 1), "last_third_mean": round(rss_last, 1),
-                   "max": round(max((x["rss_mb"] for x in s), default=0.0), 1)},
+        "rss_mb": {
+            "first_third_mean": round(rss_first, 1),
+            "last_third_mean": round(rss_last, 1),
+            "max": round(max((x["rss_mb"] for x in s), default=0.0), 1),
+        },
         "max_queue_depth": max((x["queue_depth"] for x in s), default=0.0),
         "mean_queue_depth": round(statistics.mean(x["queue_depth"] for x in s), 2) if s else 0,
         "max_leases_active": max((x["leases_active"] for x in s), default=0),
@@ -207,19 +237,19 @@ def summarize(run: Run, extra: dict[str, Any]) -> dict[str, Any]:
         "429s under overload": run.status.get("429", 0) > 0,
         "no 5xx": not any(k.startswith("5") for k in run.status),
         "no transport errors": not any(k.startswith("transport") for k in run.status),
-        "RSS bounded (last third <= first third * 1.2 + 64 MiB)":
-            rss_last <= rss_first * 1.2 + 64,
+        "RSS bounded (last third <= first third * 1.2 + 64 MiB)": rss_last <= rss_first * 1.2 + 64,
         "queue depth never above the limit": res["max_queue_depth"] <= a.queue_size,
-        "no leaked lease (occupancy 0 at the end)":
-            extra["final_occupancy"] == {"used_bytes": 0, "leases_active": 0},
+        "no leaked lease (occupancy 0 at the end)": extra["final_occupancy"]
+        == {"used_bytes": 0, "leases_active": 0},
     }
     res["checks"] = checks
     return res
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     p.add_argument("--clients", type=int, default=32, help="concurrent HTTP clients")
     p.add_argument("--queue-size", type=int, default=8, help="server --queue-size (small)")
@@ -234,13 +264,35 @@ def main() -> int:
     sock = sock_dir / "featpool.sock"
     log = sock_dir / "server.log"
     port = free_port()
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
-           "--encoder", a.encoder, "--queue-size", str(a.queue_size),
-           "--max-batch-size", str(a.max_batch_size), "--socket-path", str(sock),
-           "--host-pool-bytes", str(64 << 20), "--reap-interval-s", "0.02"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--encoder",
+        a.encoder,
+        "--queue-size",
+        str(a.queue_size),
+        "--max-batch-size",
+        str(a.max_batch_size),
+        "--socket-path",
+        str(sock),
+        "--host-pool-bytes",
+        str(64 << 20),
+        "--reap-interval-s",
+        "0.02",
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "FEATPOOL_LOG_LEVEL": "WARNING"})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "FEATPOOL_LOG_LEVEL": "WARNING"},
+        )
     url = f"http://127.0.0.1:{port}"
     run = Run(a)
     try:

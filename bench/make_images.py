@@ -14,21 +14,32 @@ import numpy as np
 from PIL import Image
 
 
-def photo_jpeg(seed: int, width: int = 1024, height: int = 768, quality: int = 90,
-               noise: float = 4.0) -> bytes:
+def photo_jpeg(
+    seed: int, width: int = 1024, height: int = 768, quality: int = 90, noise: float = 4.0
+) -> bytes:
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     img = np.empty((height, width, 3), np.float32)
     for c in range(3):
         fx, fy = rng.uniform(0.002, 0.01, 2)
         px, py = rng.uniform(0, 6.3, 2)
-        img[..., c] = (110 + 80 * np.sin(x * fx + px) * np.cos(y * fy + py)
-                       + 40 * (x / width) * rng.uniform(-1, 1))
+        img[..., c] = (
+            110
+            + 80 * np.sin(x * fx + px) * np.cos(y * fy + py)
+            + 40 * (x / width) * rng.uniform(-1, 1)
+        )
     # texture: a few octaves of blurred noise, then fine per-pixel noise
     for scale in (64, 16, 4):
         small = rng.normal(0, 1, (height // scale + 2, width // scale + 2, 3)).astype(np.float32)
-        tex = np.asarray(Image.fromarray(((small * 40) + 128).clip(0, 255).astype(np.uint8))
-                         .resize((width, height), Image.Resampling.BICUBIC), np.float32) - 128
+        tex = (
+            np.asarray(
+                Image.fromarray(((small * 40) + 128).clip(0, 255).astype(np.uint8)).resize(
+                    (width, height), Image.Resampling.BICUBIC
+                ),
+                np.float32,
+            )
+            - 128
+        )
         img += tex * (scale / 64 + 0.25)
     img += rng.normal(0, noise, img.shape).astype(np.float32)
     buf = io.BytesIO()
@@ -50,9 +61,11 @@ def main() -> None:
         data = photo_jpeg(i, args.width, args.height, args.quality)
         (args.out / f"img{i:04d}.jpg").write_bytes(data)
         sizes.append(len(data))
-    print(f"{args.count} JPEGs {args.width}x{args.height} q{args.quality} in {args.out}: "
-          f"mean {np.mean(sizes) / 1e3:.0f} KB (min {min(sizes) / 1e3:.0f}, "
-          f"max {max(sizes) / 1e3:.0f})")
+    print(
+        f"{args.count} JPEGs {args.width}x{args.height} q{args.quality} in {args.out}: "
+        f"mean {np.mean(sizes) / 1e3:.0f} KB (min {min(sizes) / 1e3:.0f}, "
+        f"max {max(sizes) / 1e3:.0f})"
+    )
 
 
 if __name__ == "__main__":
