@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
@@ -48,10 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     # A thread that gave up the GIL (in a CUDA driver call, say) waits up to the switch interval
     # to get it back from a busy thread: 5 ms by default, longer than a whole batch's forward.
     sys.setswitchinterval(0.0005)
-    app = create_app(settings)
     if settings.http_workers == 0:
         uvicorn.run(
-            app,
+            create_app(settings),
             host=settings.host,
             port=settings.port,
             log_config=None,
@@ -62,9 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     # Front processes own the public port; this (GPU) process serves them on Unix sockets.
     _, core_http = channel_paths(settings.socket_path)
     core_http.parent.mkdir(parents=True, exist_ok=True)
+    # A fresh directory each start: the fronts' request metrics, summed by this process.
+    front_metrics = Path(tempfile.mkdtemp(prefix="featpool-front-metrics-"))
+    app = create_app(settings, front_metrics_dir=front_metrics)
     front = subprocess.Popen(
         [sys.executable, "-m", "app.front"],
-        env={**os.environ, **settings_env(settings)},
+        env={
+            **os.environ,
+            **settings_env(settings),
+            "PROMETHEUS_MULTIPROC_DIR": str(front_metrics),
+        },
         # Before uvicorn starts any thread of ours: safe to fork here.
         preexec_fn=_die_with_parent,  # noqa: PLW1509
     )

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request, Response
 from app import errors, logs
 from app.errors import STATUS, ApiError
 from app.jobs import JobClient, channel_paths
-from app.metrics import Metrics
+from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router
 from app.settings import Settings
@@ -85,7 +85,9 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     # The GPU process serves the OpenAPI document and the docs; forwarded like the rest.
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.settings = settings
-    app.state.metrics = Metrics()  # local only: scrape the GPU process's /metrics
+    # Request metrics in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set
+    # by the GPU process), which the GPU process's /metrics adds up.
+    app.state.metrics = HttpMetrics(None)
     app.state.encode_images = encode_images
     errors.install(app)
     app.include_router(encode_router)

@@ -21,13 +21,11 @@ import json
 import logging
 import os
 import struct
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.errors import REJECTIONS, STATUS, ApiError
-from app.metrics import Metrics
+from app.errors import STATUS, ApiError
 from pool.errors import PoolError
 
 log = logging.getLogger(__name__)
@@ -73,13 +71,10 @@ def _error(kind: str, message: str) -> tuple[int, dict[str, Any]]:
 class JobServer:
     """Runs in the GPU process: answers encode jobs from the fronts with ``encode``."""
 
-    def __init__(
-        self, path: Path, encode: EncodeFn, release: Callable[[str], None], metrics: Metrics
-    ) -> None:
+    def __init__(self, path: Path, encode: EncodeFn, release: Callable[[str], None]) -> None:
         self.path = path
         self._encode = encode
         self._release = release
-        self._metrics = metrics
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -122,7 +117,6 @@ class JobServer:
         writer: asyncio.StreamWriter,
         lock: asyncio.Lock,
     ) -> None:
-        started = time.perf_counter()
         images, at = [], 0
         for label, size in header["images"]:
             images.append((str(label), payload[at : at + size]))
@@ -141,10 +135,6 @@ class JobServer:
         except Exception as e:  # answered, logged, and the channel lives on
             log.exception("encode job failed")
             status, body = _error("internal_error", f"{type(e).__name__}: {e}")
-        if status != 200 and body["error"]["type"] in REJECTIONS:
-            self._metrics.rejected.labels(body["error"]["type"]).inc()
-        self._metrics.requests.labels("/v1/encode", f"{status // 100}xx").inc()
-        self._metrics.request_seconds.labels("/v1/encode").observe(time.perf_counter() - started)
         async with lock:
             try:
                 await _write(

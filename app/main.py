@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import platform
+import shutil
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,10 +35,16 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def create_app(settings: Settings | None = None, *, encoder: Encoder | None = None) -> FastAPI:
-    """Build the service. ``encoder`` replaces the configured one (tests pass a fake)."""
+def create_app(
+    settings: Settings | None = None,
+    *,
+    encoder: Encoder | None = None,
+    front_metrics_dir: Path | None = None,
+) -> FastAPI:
+    """Build the service. ``encoder`` replaces the configured one (tests pass a fake);
+    ``front_metrics_dir`` is where HTTP front processes keep their request metrics."""
     settings = settings or Settings()
-    metrics = Metrics()
+    metrics = Metrics(front_metrics_dir)
     engine = Engine(settings, metrics, encoder)
 
     async def encode_images(
@@ -57,7 +65,7 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
 
     # With --http-workers, front processes send encode jobs over this channel.
     jobs = (
-        JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly, metrics)
+        JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly)
         if settings.http_workers > 0
         else None
     )
@@ -87,6 +95,8 @@ def create_app(settings: Settings | None = None, *, encoder: Encoder | None = No
             if jobs is not None:
                 await jobs.stop()
             await engine.stop()
+            if front_metrics_dir is not None:  # made for this run by `python -m app`
+                shutil.rmtree(front_metrics_dir, ignore_errors=True)
 
     app = FastAPI(
         title="featpool",

@@ -9,6 +9,7 @@ small fixed sets only (tier, reason, endpoint, status class), never a lease or r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -19,6 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (
@@ -114,19 +116,13 @@ class PoolCollector(Collector):
         yield failures
 
 
-class Metrics:
-    """The service's metrics. ``registry`` is what ``/metrics`` serves."""
+class HttpMetrics:
+    """The per-request metrics, kept by whichever processes answer HTTP. With front processes
+    (``--http-workers``) those are the fronts, in prometheus_client's multiprocess mode; the GPU
+    process exports their sum (see ``Metrics``)."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.build_info = Gauge(
-            "featpool_build_info",
-            "Build and runtime versions",
-            ["version", "torch", "cuda", "transport", "encoder", "device"],
-            registry=r,
-        )
-        self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
         self.requests = Counter(
             "featpool_http_requests", "HTTP requests", ["endpoint", "status_class"], registry=r
         )
@@ -137,6 +133,31 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.rejected = Counter(
+            "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
+        )
+
+
+class Metrics(HttpMetrics):
+    """The service's metrics. ``registry`` is what ``/metrics`` serves."""
+
+    def __init__(self, front_metrics_dir: Path | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        if front_metrics_dir is None:
+            super().__init__(r)
+        else:
+            # The fronts answer HTTP and count it; what reaches this process is forwarded
+            # traffic, so its own counts stay off the export and the fronts' sum goes on it.
+            super().__init__(CollectorRegistry())
+            MultiProcessCollector(r, path=str(front_metrics_dir))  # type: ignore[no-untyped-call]
+        self.build_info = Gauge(
+            "featpool_build_info",
+            "Build and runtime versions",
+            ["version", "torch", "cuda", "transport", "encoder", "device"],
+            registry=r,
+        )
+        self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)
         self.queue_seconds = Histogram(
             "featpool_queue_wait_seconds",
             "Time an image waited for its batch",
@@ -168,9 +189,6 @@ class Metrics:
             "featpool_queue_depth", "Images waiting for the encoder", registry=r
         )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
-        self.rejected = Counter(
-            "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
-        )
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.metrics import Metrics
+from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
 
@@ -37,7 +37,7 @@ class _BodyTooLargeError(Exception):
 
 
 class ServiceMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics, max_body_bytes: int) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes

@@ -136,9 +136,14 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[st
     while httpx.get(f"{url}/v1/pool").json()["leases_active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(f"{url}/v1/pool").json()["leases_active"] == 0
-    metrics = httpx.get(f"{url}/metrics").text  # the GPU process's own registry
-    assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="2xx"} 1.0' in metrics
+    # One /metrics: the GPU process's own series plus the fronts' request counts, summed.
+    metrics = httpx.get(f"{url}/metrics").text
     assert 'featpool_leases_released_total{reason="ack"} 2.0' in metrics
+    assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="2xx"} 1.0' in metrics
+    # The 400 came from the GPU process, the 413 from a front: both are counted, once.
+    assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="4xx"} 2.0' in metrics
+    assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
+    assert metrics.count("# TYPE featpool_http_requests_total counter") == 1
 
 
 def test_stopping_the_server_stops_the_fronts(
