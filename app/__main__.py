@@ -4,6 +4,7 @@ variable (``FEATPOOL_POOL_BYTES``)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,19 @@ class CliSettings(Settings):
         cli_prog_name="featpool",
         cli_implicit_flags=True,
     )
+
+
+def _private_unix_socket(path: Path) -> socket.socket:
+    """A listening Unix socket only this user can reach (uvicorn's own ``uds`` is mode 0666)."""
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(2048)
+    return sock
 
 
 def _die_with_parent() -> None:
@@ -76,9 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         # Before uvicorn starts any thread of ours: safe to fork here.
         preexec_fn=_die_with_parent,  # noqa: PLW1509
     )
+    listener = _private_unix_socket(core_http)  # kept referenced: uvicorn gets only its FD
     try:
         uvicorn.run(
-            app, uds=str(core_http), log_config=None, access_log=False, timeout_graceful_shutdown=10
+            app,
+            fd=listener.fileno(),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=10,
         )
     finally:
         front.terminate()

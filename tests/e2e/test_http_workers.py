@@ -100,6 +100,8 @@ def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]
 def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
     url, sock, proc = fronted
     assert len(descendants(proc.pid)) >= 3  # the front supervisor and its two workers
+    for private in (".jobs", ".http"):  # the channels to the GPU process: this user only
+        assert (sock.with_name(sock.name + private).stat().st_mode & 0o777) == 0o600
     r = httpx.post(
         f"{url}/v1/encode",
         files=[
