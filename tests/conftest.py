@@ -14,6 +14,7 @@ from PIL import Image
 
 from app.main import create_app
 from app.settings import Settings
+from tests.helpers import small_settings
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,17 +61,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(
-        encoder="tiny-test",
-        device="cpu",
-        socket_path=tmp_path / "featpool.sock",
-        host_pool_bytes=8 << 20,
-        slab_bytes=4 << 20,
-        inline_max_bytes=1 << 20,
-        max_batch_wait_ms=2.0,
-        reap_interval_s=0.01,
-        decode_workers=2,
-    )
+    return small_settings(tmp_path)
 
 
 @pytest.fixture
@@ -79,19 +70,7 @@ def make_client(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     opened: list[TestClient] = []
 
     def make(**overrides: object) -> TestClient:
-        base = dict(
-            encoder="tiny-test",
-            device="cpu",
-            socket_path=tmp_path / "featpool.sock",
-            host_pool_bytes=8 << 20,
-            slab_bytes=4 << 20,
-            inline_max_bytes=1 << 20,
-            max_batch_wait_ms=2.0,
-            reap_interval_s=0.01,
-            decode_workers=2,
-        )
-        base.update(overrides)
-        client = TestClient(create_app(Settings(**base)))  # type: ignore[arg-type]
+        client = TestClient(create_app(small_settings(tmp_path, **overrides)))
         client.__enter__()
         opened.append(client)
         return client

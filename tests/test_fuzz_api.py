@@ -42,7 +42,7 @@ from pool.featurepool import FeaturePool
 from pool.protocol import MAX_FRAME, recv_msg, send_msg
 from pool.server import HandoffServer
 from tests.conftest import image_bytes
-from tests.test_faults import Live, live_server, small_settings, wait_until
+from tests.helpers import Live, live_server, small_settings, wait_until
 
 JPEG = image_bytes("JPEG", size=(48, 32))
 

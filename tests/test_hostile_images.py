@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from app.main import create_app
-from app.settings import Settings
 from tests.conftest import image_bytes, occupancy
+from tests.helpers import small_settings
 
 MAX_PIXELS = 4_000_000
 
@@ -186,19 +186,7 @@ CORPUS.append(("1-bit 20000x20000 pixel flood", _pixel_flood(), 413, "image_too_
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     tmp: Path = tmp_path_factory.mktemp("hostile")
-    s = Settings(
-        encoder="tiny-test",
-        device="cpu",
-        socket_path=tmp / "featpool.sock",
-        host_pool_bytes=8 << 20,
-        slab_bytes=4 << 20,
-        inline_max_bytes=1 << 20,
-        max_batch_wait_ms=2.0,
-        reap_interval_s=0.01,
-        decode_workers=2,
-        max_image_pixels=MAX_PIXELS,
-        max_images_per_request=8,
-    )
+    s = small_settings(tmp, max_image_pixels=MAX_PIXELS, max_images_per_request=8)
     with TestClient(create_app(s)) as c:
         yield c
         assert occupancy(c) == (0, 0)  # everything the module was given, it gave back

@@ -5,7 +5,6 @@ when the server stops."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,8 @@ import httpx
 import pytest
 
 from tests.conftest import image_bytes
-from tests.e2e.test_server_and_consumer import CONSUMER, ROOT, free_port
+from tests.e2e.test_server_and_consumer import CONSUMER
+from tests.helpers import ROOT, server_process
 
 pytestmark = pytest.mark.e2e
 
@@ -45,59 +45,14 @@ def descendants(pid: int) -> set[int]:
 
 
 @pytest.fixture
-def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
-    port = free_port()
+def fronted(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     sock = tmp_path / "featpool.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--encoder",
-            "tiny-test",
-            "--http-workers",
-            "2",
-            "--socket-path",
-            str(sock),
-            "--host-pool-bytes",
-            "16777216",
-            "--reap-interval-s",
-            "0.01",
-            "--max-body-bytes",
-            "200000",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read() if proc.stdout else "server exited")
-            try:
-                if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("not ready in 90 s")
-            time.sleep(0.2)
+    args = ("--http-workers", "2", "--max-body-bytes", "200000")
+    with server_process(sock, tmp_path / "server.log", *args) as (url, proc):
         yield url, sock, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
-def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[str]]) -> None:
+def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[bytes]]) -> None:
     url, sock, proc = fronted
     assert len(descendants(proc.pid)) >= 3  # the front supervisor and its two workers
     for private in (".jobs", ".http"):  # the channels to the GPU process: this user only
@@ -149,7 +104,7 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[st
 
 
 def test_stopping_the_server_stops_the_fronts(
-    fronted: tuple[str, Path, subprocess.Popen[str]],
+    fronted: tuple[str, Path, subprocess.Popen[bytes]],
 ) -> None:
     _, _, proc = fronted
     fronts = descendants(proc.pid)
