@@ -154,6 +154,17 @@ def unmap_allocation(driver: DriverAPI, m: _Mapping) -> None:
     driver.mem_release(m.handle)
 
 
+def register_control(driver: DriverAPI, ctrl: ControlBlock) -> int:
+    """Register the control block as mapped pinned memory in this process; its device
+    pointer, for stream writes and waits on its words."""
+    driver.host_register(ctrl.address, ctrl.size)
+    try:
+        return driver.host_device_pointer(ctrl.address)
+    except BaseException:
+        driver.host_unregister(ctrl.address)
+        raise
+
+
 def probe_fabric(driver: DriverAPI, ordinal: int, mode: FabricMode) -> FabricStatus:
     """Try a real FABRIC allocation (the device attribute alone says yes without an IMEX
     channel). ``require`` turns a failure into CudaUnavailable."""
@@ -284,12 +295,7 @@ class CudaVmmBackend:
             return
         if self._ctrl is not None:
             self._unbind_control()
-        self.driver.host_register(ctrl.address, ctrl.size)
-        try:
-            self._ctrl_dptr = self.driver.host_device_pointer(ctrl.address)
-        except BaseException:
-            self.driver.host_unregister(ctrl.address)
-            raise
+        self._ctrl_dptr = register_control(self.driver, ctrl)
         self._ctrl = ctrl
 
     def _unbind_control(self) -> None:
@@ -472,12 +478,7 @@ class CudaConsumer:
         self.slabs: set[_ConsumerSlab] = set()
         self._gran: int | None = cuda_info.get("granularity")
         try:
-            self.driver.host_register(ctrl.address, ctrl.size)
-            try:
-                self._dptr = self.driver.host_device_pointer(ctrl.address)
-            except BaseException:
-                self.driver.host_unregister(ctrl.address)
-                raise
+            self._dptr = register_control(self.driver, ctrl)
         except BaseException:
             self.driver.release_device()
             raise
