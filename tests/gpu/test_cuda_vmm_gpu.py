@@ -227,3 +227,32 @@ def test_driver_calls_run_in_torchs_context(producer: Producer, client: Any) -> 
     th.start()
     th.join()
     assert seen == {"ok": 1, "ctx": ctx_torch}
+
+
+def test_producer_killed_mapped_data_stays_valid(sock: Path) -> None:
+    """SIGKILL the producer while a consumer holds a mapped lease: the consumer's view still
+    reads the published bytes (the mapping holds the physical memory), and the next producer
+    on the same socket is a new epoch the consumer re-attaches to."""
+    from pool.client import FeatureClient
+
+    p1 = Producer(sock)
+    client = FeatureClient.connect(sock)
+    try:
+        old = p1.call("put", nbytes=1 << 20, dtype="uint8", seed=3)["lease"]
+        held = client.open(old)
+        torch.cuda.synchronize()
+        p1.proc.kill()
+        p1.proc.wait(timeout=30)
+        assert torch.equal(as_bytes(held), expected(old, 3))
+        p2 = Producer(sock)
+        try:
+            with pytest.raises(PoolRestarted):
+                client.lookup(old["lease_id"])
+            client.reattach()
+            new = p2.call("put", nbytes=4096, dtype="uint8", seed=4)["lease"]
+            assert torch.equal(as_bytes(client.open(new)), expected(new, 4))
+        finally:
+            client.close()
+            p2.close()
+    finally:
+        p1.close()
