@@ -15,10 +15,12 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 
 from app import logs
+from app.backends import preflight
 from app.front import settings_env
 from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings
+from pool.errors import PoolError
 
 
 class CliSettings(Settings):
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = CliApp.run(CliSettings, cli_args=sys.argv[1:] if argv is None else argv)
     except ValidationError as e:
         sys.exit(f"featpool: invalid settings:\n{e}")
+    try:
+        preflight(settings)
+    except PoolError as e:
+        sys.exit(f"featpool: {e}")
     logs.setup(settings.log_level, settings.log_json)
     # The batch thread launches GPU work and publishes leases while the event loop parses HTTP.
     # A thread that gave up the GIL (in a CUDA driver call, say) waits up to the switch interval

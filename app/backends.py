@@ -54,19 +54,29 @@ def split_slabs(total: int, slab: int) -> list[int]:
     return sizes
 
 
+def preflight(settings: Settings) -> torch.device:
+    """The device the settings ask for, or CudaUnavailable naming the flag to change: checked
+    before the server starts, so a wrong flag is one clear line, not a traceback."""
+    device = resolve_device(settings)
+    if settings.transport == "cuda_vmm":
+        _vmm_needs_cuda(device)
+    return device
+
+
+def _vmm_needs_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise CudaUnavailable(
+            "--transport cuda_vmm (FEATPOOL_TRANSPORT) needs an NVIDIA GPU with CUDA, but the "
+            f"device is {device} (torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}); use --transport host_shm"
+        )
+
+
 def build_backends(settings: Settings, device: torch.device) -> tuple[list[Backend], Capabilities]:
     caps = Capabilities(device=str(device), transport="host_shm", cuda=device.type == "cuda")
     backends: list[Backend] = []
-    want_gpu = settings.transport == "cuda_vmm" or (
-        settings.transport == "auto" and device.type == "cuda"
-    )
-    if want_gpu:
-        if device.type != "cuda":
-            raise CudaUnavailable(
-                "--transport cuda_vmm (FEATPOOL_TRANSPORT) needs an NVIDIA GPU with CUDA, but the "
-                f"device is {device} (torch.cuda.is_available() is "
-                f"{torch.cuda.is_available()}); use --transport host_shm"
-            )
+    if settings.transport == "cuda_vmm" or (settings.transport == "auto" and device.type == "cuda"):
+        _vmm_needs_cuda(device)
         try:
             from pool.backends.cuda_vmm import CudaVmmBackend
 

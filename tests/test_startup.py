@@ -173,3 +173,31 @@ def test_settings_travel_to_front_processes_unchanged(
     again = Settings()
     assert again.model_dump() == s.model_dump()
     assert again.api_key is not None and again.api_key.get_secret_value() == "k3y"
+
+
+@no_cuda
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--transport", "cuda_vmm"], "--transport cuda_vmm"),
+        (["--device", "cuda"], "--device cuda"),
+    ],
+)
+def test_cli_refuses_gpu_flags_without_a_gpu_in_one_line(
+    tmp_path: Path, flags: list[str], named: str
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    r = subprocess.run(
+        [sys.executable, "-m", "app", *flags, "--socket-path", str(tmp_path / "s")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert named in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
