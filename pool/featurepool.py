@@ -129,10 +129,13 @@ class FeaturePool:
         On the GPU tier the copy is stream-ordered: this returns before the copy finishes, and
         consumers wait on the ready word. Raises PoolExhausted, TensorTooLarge, InvalidTensor.
         """
-        result = self.put_many([tensor], ttl_s)[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        ttl = self.clamp_ttl(ttl_s)
+        tensor = self._checked(tensor)
+        lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
+        if tier is not None:
+            self._publish(tier, [(lease, tensor)])
+        self._mark_ready([lease])
+        return lease
 
     def put_many(
         self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
@@ -144,51 +147,67 @@ class FeaturePool:
         process is busy with other threads. A bad TTL raises ValueError for all.
         """
         ttl = self.clamp_ttl(ttl_s)
-        results: list[Lease | PoolError | None] = [None] * len(tensors)
-        placed: dict[int, list[tuple[int, Lease, torch.Tensor]]] = {}  # by tier index
-        for i, given in enumerate(tensors):
+        results: list[Lease | PoolError] = []
+        placed: dict[int, list[tuple[Lease, torch.Tensor]]] = {}  # by tier index
+        for given in tensors:
             try:
-                if given.numel() == 0:
-                    raise InvalidTensor("cannot publish an empty tensor")
-                if given.is_complex() or given.dtype == torch.bool:
-                    raise InvalidTensor(f"unsupported dtype {given.dtype}")
-                tensor = given.detach().contiguous()
+                tensor = self._checked(given)
                 lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
             except PoolError as e:
-                results[i] = e
+                results.append(e)
                 continue
-            results[i] = lease
+            results.append(lease)
             if tier is not None:
-                placed.setdefault(self.tiers.index(tier), []).append((i, lease, tensor))
-        for t, items in placed.items():
-            backend = self.tiers[t].backend
-            try:
-                publish_many = getattr(backend, "publish_many", None)
-                if publish_many is not None:
-                    publish_many(
-                        [
-                            (lease.extent, tensor, lease.slot, lease.generation)
-                            for _, lease, tensor in items
-                        ],
-                        self.ctrl,
-                    )
-                else:
-                    for _, lease, tensor in items:
-                        assert lease.extent is not None
-                        backend.publish(
-                            lease.extent, tensor, self.ctrl, lease.slot, lease.generation
-                        )
-            except BaseException:
+                placed.setdefault(self.tiers.index(tier), []).append((lease, tensor))
+        leases = [r for r in results if isinstance(r, Lease)]
+        try:
+            for t, items in placed.items():
+                self._publish(self.tiers[t], items)
+        except BaseException:
+            with self._lock:  # what was reserved goes back; published or not, nobody has it
+                for lease in leases:
+                    if self.leases.by_slot(lease.slot) is lease:
+                        self._end(lease, reason=None)
+            raise
+        self._mark_ready(leases)
+        return results
+
+    @staticmethod
+    def _checked(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 0:
+            raise InvalidTensor("cannot publish an empty tensor")
+        if tensor.is_complex() or tensor.dtype == torch.bool:
+            raise InvalidTensor(f"unsupported dtype {tensor.dtype}")
+        return tensor.detach().contiguous()
+
+    def _publish(self, tier: Tier, items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
+        """Copy reserved leases' tensors into their tier and set their ready words; on failure
+        the single-lease caller's reservation is undone here (put_many undoes its own)."""
+        backend = self.tiers[self.tiers.index(tier)].backend
+        try:
+            publish_many = getattr(backend, "publish_many", None)
+            if publish_many is not None and len(items) > 1:
+                publish_many(
+                    [(lease.extent, t, lease.slot, lease.generation) for lease, t in items],
+                    self.ctrl,
+                )
+                return
+            for lease, t in items:
+                assert lease.extent is not None
+                backend.publish(lease.extent, t, self.ctrl, lease.slot, lease.generation)
+        except BaseException:
+            if len(items) == 1:
+                lease = items[0][0]
                 with self._lock:
-                    for lease in (r for r in results if isinstance(r, Lease)):
-                        if self.leases.by_slot(lease.slot) is lease:
-                            self._end(lease, reason=None)
-                raise
+                    if self.leases.by_slot(lease.slot) is lease:
+                        self._end(lease, reason=None)
+            raise
+
+    def _mark_ready(self, leases: Sequence[Lease]) -> None:
         with self._lock:
-            for lease in (r for r in results if isinstance(r, Lease)):
+            for lease in leases:
                 if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
                     self.leases.mark_ready(lease.id)
-        return [r for r in results if r is not None]
 
     def _candidates(self, tensor: torch.Tensor) -> list[Tier]:
         tiers = self.tiers
