@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +26,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from appserver import AppServer
 from make_images import photo_jpeg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,76 +136,44 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
-class Server:
-    def __init__(self, args: argparse.Namespace, extra: list[str], log: Path) -> None:
-        self.base = f"http://127.0.0.1:{args.port}"
-        self.transport = "?"
-        cmd = [
-            sys.executable,
-            "-m",
-            "app",
-            "--device",
-            args.device,
-            "--encoder",
-            args.encoder,
-            "--port",
-            str(args.port),
-            "--socket-path",
-            f"/tmp/featpool-bench-{args.port}.sock",
-            "--max-leases",
-            "65536",
-            "--pool-bytes",
-            str(args.pool_bytes),
-            "--host-pool-bytes",
-            str(args.pool_bytes),
-            "--slab-bytes",
-            str(512 << 20),
-            "--queue-size",
-            "8192",
-            "--max-images-per-request",
-            "64",
-            "--lease-ttl-s",
-            "2",
-            "--log-level",
-            "WARNING",
-            *args.server_args,
-            *extra,
-        ]
-        self.cmd = cmd
-        self.log = log.open("w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        deadline = time.time() + args.start_timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"{self.base}/health/ready", timeout=2).status_code == 200:
-                    caps = httpx.get(f"{self.base}/v1/pool", timeout=5).json()["capabilities"]
-                    self.transport = str(caps.get("transport"))
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"server not ready after {args.start_timeout} s; see {log}")
+class Server(AppServer):
+    """The server for one side of the comparison, with the bench's fixed settings."""
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    def __init__(self, args: argparse.Namespace, extra: list[str], log: Path) -> None:
+        super().__init__(
+            [
+                "--device",
+                args.device,
+                "--encoder",
+                args.encoder,
+                "--socket-path",
+                f"/tmp/featpool-bench-{args.port}.sock",
+                "--max-leases",
+                "65536",
+                "--pool-bytes",
+                str(args.pool_bytes),
+                "--host-pool-bytes",
+                str(args.pool_bytes),
+                "--slab-bytes",
+                str(512 << 20),
+                "--queue-size",
+                "8192",
+                "--max-images-per-request",
+                "64",
+                "--lease-ttl-s",
+                "2",
+                "--log-level",
+                "WARNING",
+                *args.server_args,
+                *extra,
+            ],
+            log,
+            port=args.port,
+            start_timeout_s=args.start_timeout,
+        )
+        self.base = self.url
+        caps = httpx.get(f"{self.base}/v1/pool", timeout=5).json()["capabilities"]
+        self.transport = str(caps.get("transport"))
 
 
 def run_point(

@@ -14,7 +14,6 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.multiprocessing
+from appserver import gpu_name
 
 from pool.allocator import Extent
 from pool.backends.cuda_vmm import CudaVmmBackend
@@ -234,20 +234,7 @@ def handoff_latency(
 
 
 def machine() -> dict[str, str]:
-    try:
-        smi = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=30,
-            )
-            .stdout.strip()
-            .splitlines()[0]
-        )
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        smi = "unknown"
+    smi = gpu_name()
     try:
         import cuda.bindings
 

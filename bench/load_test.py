@@ -19,12 +19,8 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 import numpy as np
+from appserver import AppServer
 from PIL import Image
 
 from pool.client import FeatureClient
@@ -55,12 +53,6 @@ def make_images(seed: int = 0) -> list[tuple[str, bytes, str]]:
             Image.fromarray(arr).save(buf, fmt)
             out.append((f"{w}x{h}.{fmt.lower()}", buf.getvalue(), ctype))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:
@@ -263,13 +255,7 @@ def main() -> int:
     sock_dir = a.socket_dir or Path(tempfile.mkdtemp(prefix="featpool-load-"))
     sock = sock_dir / "featpool.sock"
     log = sock_dir / "server.log"
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "--port",
-        str(port),
+    args = [
         "--device",
         "cpu",
         "--encoder",
@@ -285,46 +271,23 @@ def main() -> int:
         "--reap-interval-s",
         "0.02",
     ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "FEATPOOL_LOG_LEVEL": "WARNING"},
-        )
-    url = f"http://127.0.0.1:{port}"
+    try:
+        server = AppServer(args, log, env={"FEATPOOL_LOG_LEVEL": "WARNING"})
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 2
     run = Run(a)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                print(log.read_text()[-3000:], file=sys.stderr)
-                return 2
-            try:
-                if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                print("server not ready in 120 s", file=sys.stderr)
-                return 2
-            time.sleep(0.1)
         run.consumer = FeatureClient.connect(sock)
-        extra = asyncio.run(drive(run, url, proc.pid))
+        extra = asyncio.run(drive(run, server.url, server.proc.pid))
     finally:
         if run.consumer is not None:
             run.consumer.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        exit_code = server.close()
     res = summarize(run, extra)
     res["command"] = " ".join(["python", "bench/load_test.py", *sys.argv[1:]])
     res["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    res["server_exit"] = proc.returncode
+    res["server_exit"] = exit_code
     print(json.dumps({k: v for k, v in res.items() if k != "checks"}, indent=1))
     for name, ok in res["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")

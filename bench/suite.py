@@ -29,7 +29,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
+
+from appserver import free_port, gpu_name  # noqa: E402
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -165,24 +166,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def gpu_name() -> str:
-    try:
-        out = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=30,
-            )
-            .stdout.strip()
-            .splitlines()
-        )
-        return out[0] if out else "none"
-    except (OSError, subprocess.SubprocessError):
-        return "none"
 
 
 def machine(with_torch: bool = True) -> dict[str, Any]:
@@ -872,12 +855,6 @@ def on_sigterm(signum: int, frame: Any) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     raise SystemExit(128 + signum)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sweep_e2e(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline: float) -> None:

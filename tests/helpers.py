@@ -3,11 +3,8 @@ this process (``live_server``) or in a process of its own (``server_process``)."
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +20,7 @@ from fastapi import FastAPI
 from app.encoders.base import Encoder
 from app.main import create_app
 from app.settings import Settings
+from bench.appserver import AppServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,58 +83,18 @@ def wait_until(pred: Callable[[], object], timeout_s: float = 10.0, every_s: flo
     return bool(pred())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def server_process(
     sock: Path, log: Path, *args: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``python -m app`` (tiny encoder, CPU) on a loopback port; its log goes to ``log``."""
-    port = free_port()
-    env = {**os.environ, "FEATPOOL_SOCKET_PATH": str(sock), "FEATPOOL_HOST_POOL_BYTES": "16777216"}
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app",
-                "--port",
-                str(port),
-                "--device",
-                "cpu",
-                "--encoder",
-                "tiny-test",
-                "--reap-interval-s",
-                "0.01",
-                *args,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    server = AppServer(
+        ["--device", "cpu", "--encoder", "tiny-test", "--reap-interval-s", "0.01", *args],
+        log,
+        env={"FEATPOOL_SOCKET_PATH": str(sock), "FEATPOOL_HOST_POOL_BYTES": "16777216"},
+        start_timeout_s=60,
+    )
     try:
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-            try:
-                return httpx.get(f"{url}/health/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(ready, 60, 0.05), "server did not become ready in 60 s"
-        yield url, proc
+        yield server.url, server.proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        server.close()
