@@ -133,7 +133,11 @@ class FeaturePool:
         tensor = self._checked(tensor)
         lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
         if tier is not None:
-            self._publish(tier, [(lease, tensor)])
+            try:
+                self._publish(tier, [(lease, tensor)])
+            except BaseException:
+                self._undo([lease])
+                raise
         self._mark_ready([lease])
         return lease
 
@@ -148,7 +152,7 @@ class FeaturePool:
         """
         ttl = self.clamp_ttl(ttl_s)
         results: list[Lease | PoolError] = []
-        placed: dict[int, list[tuple[Lease, torch.Tensor]]] = {}  # by tier index
+        placed: dict[str, list[tuple[Lease, torch.Tensor]]] = {}  # by tier name
         for given in tensors:
             try:
                 tensor = self._checked(given)
@@ -158,16 +162,13 @@ class FeaturePool:
                 continue
             results.append(lease)
             if tier is not None:
-                placed.setdefault(self.tiers.index(tier), []).append((lease, tensor))
+                placed.setdefault(tier.name, []).append((lease, tensor))
         leases = [r for r in results if isinstance(r, Lease)]
         try:
-            for t, items in placed.items():
-                self._publish(self.tiers[t], items)
+            for name, items in placed.items():
+                self._publish(self.tier(name), items)
         except BaseException:
-            with self._lock:  # what was reserved goes back; published or not, nobody has it
-                for lease in leases:
-                    if self.leases.by_slot(lease.slot) is lease:
-                        self._end(lease, reason=None)
+            self._undo(leases)
             raise
         self._mark_ready(leases)
         return results
@@ -181,27 +182,24 @@ class FeaturePool:
         return tensor.detach().contiguous()
 
     def _publish(self, tier: Tier, items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
-        """Copy reserved leases' tensors into their tier and set their ready words; on failure
-        the single-lease caller's reservation is undone here (put_many undoes its own)."""
-        backend = self.tiers[self.tiers.index(tier)].backend
-        try:
-            publish_many = getattr(backend, "publish_many", None)
-            if publish_many is not None and len(items) > 1:
-                publish_many(
-                    [(lease.extent, t, lease.slot, lease.generation) for lease, t in items],
-                    self.ctrl,
-                )
-                return
-            for lease, t in items:
-                assert lease.extent is not None
-                backend.publish(lease.extent, t, self.ctrl, lease.slot, lease.generation)
-        except BaseException:
-            if len(items) == 1:
-                lease = items[0][0]
-                with self._lock:
-                    if self.leases.by_slot(lease.slot) is lease:
-                        self._end(lease, reason=None)
-            raise
+        """Copy reserved leases' tensors into their tier and set their ready words."""
+        backend = tier.backend
+        publish_many = getattr(backend, "publish_many", None)
+        if publish_many is not None and len(items) > 1:
+            publish_many(
+                [(lease.extent, t, lease.slot, lease.generation) for lease, t in items], self.ctrl
+            )
+            return
+        for lease, t in items:
+            assert lease.extent is not None
+            backend.publish(lease.extent, t, self.ctrl, lease.slot, lease.generation)
+
+    def _undo(self, leases: Sequence[Lease]) -> None:
+        """A publish failed: what was reserved goes back; published or not, nobody has it."""
+        with self._lock:
+            for lease in leases:
+                if self.leases.by_slot(lease.slot) is lease:
+                    self._end(lease, reason=None)
 
     def _mark_ready(self, leases: Sequence[Lease]) -> None:
         with self._lock:

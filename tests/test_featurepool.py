@@ -160,3 +160,22 @@ def test_full_slots_of_acked_leases_are_reused() -> None:
     with pytest.raises(LeaseReleased):  # an acked lease is gone even before the reaper runs
         p.get(b.id)
     p.close()
+
+
+class _FailingBackend(HostShmBackend):
+    """A tier whose copy fails (a CUDA error, say) after the lease was reserved."""
+
+    def publish(self, *args: object) -> None:
+        raise RuntimeError("copy failed")
+
+
+def test_a_failed_publish_gives_the_reservation_back() -> None:
+    p = FeaturePool([_FailingBackend([MiB])])
+    with pytest.raises(RuntimeError, match="copy failed"):
+        p.put(torch.ones(8))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        p.put_many([torch.ones(8), torch.ones(8)])
+    s = p.stats()
+    assert s["leases_active"] == 0 and s["tiers"][0]["used_bytes"] == 0
+    assert not p.ctrl.slots["gen"].any()  # no slot is left looking live to consumers
+    p.close()
