@@ -360,9 +360,13 @@ class Engine:
             self.metrics.encode_seconds.observe(s.elapsed_time(e) / 1000)
 
     def _discard(self, lease: Lease) -> None:
-        assert self.pool is not None
+        self.release_quietly(lease.id)
+
+    def release_quietly(self, lease_id: str) -> None:
+        """Give back a lease nobody will read; one that already ended is fine."""
         try:
-            self.pool.release(lease.id)
+            if self.pool is not None:
+                self.pool.release(lease_id)
         except PoolError:
             pass
 
@@ -373,7 +377,3 @@ class Engine:
             self.metrics.queue_seconds.observe(w)
         if stats.skipped:
             self.metrics.images.labels("abandoned").inc(stats.skipped)
-
-    def release_all(self, leases: Sequence[Lease]) -> None:
-        for lease in leases:
-            self._discard(lease)

@@ -23,7 +23,6 @@ from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, ops, v1
 from app.settings import Settings
-from pool.errors import PoolError
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +55,9 @@ def create_app(
         assert engine.pool is not None
         return {"items": [engine.pool.describe(lease) for lease in leases]}
 
-    def release_quietly(lease_id: str) -> None:
-        try:
-            if engine.pool is not None:
-                engine.pool.release(lease_id)
-        except PoolError:
-            pass
-
     # With --http-workers, front processes send encode jobs over this channel.
     jobs = (
-        JobServer(channel_paths(settings.socket_path)[0], encode_images, release_quietly)
+        JobServer(channel_paths(settings.socket_path)[0], encode_images, engine.release_quietly)
         if settings.http_workers > 0
         else None
     )
