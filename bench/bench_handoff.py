@@ -59,12 +59,14 @@ def consumer(conn: Connection, sock: str) -> None:
         t_recv = time.perf_counter()
         if kind == "quit":
             break
+        t_open = t_recv  # when the consumer holds a tensor (before reading it)
         if kind == "ping":
             t1 = time.perf_counter()
-            conn.send((t1, 0, t_recv))
+            conn.send((t1, 0, t_recv, t_open))
             continue
         if kind == "cuda_vmm":
             t = client.open(payload)
+            t_open = time.perf_counter()
             last = int(t.view(-1)[-1].view(torch.int16).item())
             t1 = time.perf_counter()
             client.release(payload)
@@ -79,9 +81,10 @@ def consumer(conn: Connection, sock: str) -> None:
                 warnings.simplefilter("ignore")
                 t = torch.frombuffer(raw, dtype=torch.uint8).to("cuda")
             t = t.view(torch.bfloat16).view(payload)
+            t_open = time.perf_counter()
             last = int(t.view(-1)[-1].view(torch.int16).item())
             t1 = time.perf_counter()
-        conn.send((t1, last, t_recv))
+        conn.send((t1, last, t_recv, t_open))
     client.close()
 
 
@@ -200,14 +203,19 @@ def handoff_latency(
         lat: list[float] = []
         send: list[float] = []
         read: list[float] = []
+        put: list[float] = []  # cuda_vmm: FeaturePool.put alone
+        opened: list[float] = []  # consumer: until it holds a tensor (open / rebuild)
         for i in range(n + 3):
             feat = base.clone()  # a fresh feature tensor each time, as an encoder would make
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            t_put = t0
             if kind == "ping":
                 conn.send(("ping", None))
             elif kind == "cuda_vmm":
-                conn.send(("cuda_vmm", pool.describe(pool.put(feat))))
+                lease = pool.put(feat)
+                t_put = time.perf_counter()
+                conn.send(("cuda_vmm", pool.describe(lease)))
             elif kind == "cuda_ipc":
                 conn.send(("cuda_ipc", feat))
             else:
@@ -215,13 +223,15 @@ def handoff_latency(
                 conn.send(("cpu_bytes", tuple(feat.shape)))
                 conn.send_bytes(raw)
             t_sent = time.perf_counter()
-            t1, last, t_recv = conn.recv()
+            t1, last, t_recv, t_open = conn.recv()
             if kind != "ping":
                 assert last == int(feat.view(-1)[-1].view(torch.int16).item()), kind
             if i >= 3:
                 lat.append((t1 - t0) * 1e6)
                 send.append((t_sent - t0) * 1e6)  # producer: publish + describe + send
                 read.append((t1 - t_recv) * 1e6)  # consumer: open/rebuild + read one element
+                put.append((t_put - t0) * 1e6)
+                opened.append((t_open - t_recv) * 1e6)
             del feat
         out[kind] = {
             "median_us": statistics.median(lat),
@@ -229,6 +239,8 @@ def handoff_latency(
             "n": len(lat),
             "producer_median_us": statistics.median(send),
             "consumer_median_us": statistics.median(read),
+            "put_median_us": statistics.median(put),
+            "open_median_us": statistics.median(opened),
         }
     return out
 
@@ -322,6 +334,12 @@ def main() -> None:
             f"producer {v['producer_median_us']:8.1f}  consumer {v['consumer_median_us']:8.1f}"
             f"  n={v['n']}"
         )
+    v = hand["cuda_vmm"]
+    print(
+        f"  cuda_vmm breakdown: put {v['put_median_us']:.1f}, describe + send "
+        f"{v['producer_median_us'] - v['put_median_us']:.1f}, open {v['open_median_us']:.1f}, "
+        f"first read {v['consumer_median_us'] - v['open_median_us']:.1f} (medians, us)"
+    )
     print(f"\ntargets: {json.dumps(result['targets'])}")
 
 

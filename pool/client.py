@@ -41,6 +41,7 @@ from pool.featurepool import INLINE, epoch_hex, parse_dtype
 from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
 
 LeaseRef = str | Mapping[str, Any]
+_DESCRIPTOR_KEYS = ("epoch", "generation", "lease_id", "slot", "tier")  # what open/release use
 
 _ERRORS: dict[str, type[PoolError]] = {
     "lease_not_found": LeaseNotFound,
@@ -241,9 +242,9 @@ class FeatureClient:
     def _descriptor(self, lease: LeaseRef) -> Mapping[str, Any]:
         if isinstance(lease, str):
             return self.lookup(lease)
-        missing = {"lease_id", "epoch", "tier", "slot", "generation"} - set(lease)
+        missing = [k for k in _DESCRIPTOR_KEYS if k not in lease]
         if missing:
-            raise ValueError(f"lease descriptor lacks {sorted(missing)}")
+            raise ValueError(f"lease descriptor lacks {missing}")
         return lease
 
     def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock:

@@ -58,8 +58,14 @@ class ControlBlock:
         self.nslots: int = nslots
         self.epoch: int = epoch
         self.size = HEADER_SIZE + nslots * SLOT_STRIDE
-        self.slots = np.frombuffer(mm, dtype=SLOT_DTYPE, count=nslots, offset=HEADER_SIZE)
+        self._set_slots(np.frombuffer(mm, dtype=SLOT_DTYPE, count=nslots, offset=HEADER_SIZE))
         self.address: int = self.slots.ctypes.data - HEADER_SIZE
+
+    def _set_slots(self, slots: np.ndarray) -> None:
+        self.slots = slots
+        # Field views made once: ``slots["gen"]`` builds a new view on every access, and the
+        # accessors below run several times per lease.
+        self._gen, self._ready, self._ack = slots["gen"], slots["ready"], slots["ack"]
 
     @classmethod
     def create(cls, nslots: int, epoch: int | None = None) -> ControlBlock:
@@ -89,25 +95,25 @@ class ControlBlock:
     # Host-side accessors. Aligned 32-bit stores are single instructions on every platform we
     # run on, so a reader never sees a torn word.
     def gen(self, slot: int) -> int:
-        return int(self.slots["gen"][slot])
+        return int(self._gen[slot])
 
     def ready(self, slot: int) -> int:
-        return int(self.slots["ready"][slot])
+        return int(self._ready[slot])
 
     def ack(self, slot: int) -> int:
-        return int(self.slots["ack"][slot])
+        return int(self._ack[slot])
 
     def set_gen(self, slot: int, gen: int) -> None:
-        self.slots["gen"][slot] = gen
+        self._gen[slot] = gen
 
     def set_ready(self, slot: int, gen: int) -> None:
-        self.slots["ready"][slot] = gen
+        self._ready[slot] = gen
 
     def set_ack(self, slot: int, gen: int) -> None:
-        self.slots["ack"][slot] = gen
+        self._ack[slot] = gen
 
     def close(self) -> None:
-        self.slots = np.empty(0, dtype=SLOT_DTYPE)
+        self._set_slots(np.empty(0, dtype=SLOT_DTYPE))
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it

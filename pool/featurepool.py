@@ -179,7 +179,9 @@ class FeaturePool:
             raise InvalidTensor("cannot publish an empty tensor")
         if tensor.is_complex() or tensor.dtype == torch.bool:
             raise InvalidTensor(f"unsupported dtype {tensor.dtype}")
-        return tensor.detach().contiguous()
+        if tensor.requires_grad:  # only bytes are published; no autograd graph rides along
+            tensor = tensor.detach()
+        return tensor.contiguous()
 
     def _publish(self, tier: Tier, items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
         """Copy reserved leases' tensors into their tier and set their ready words."""

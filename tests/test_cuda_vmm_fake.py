@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pool.allocator import Extent
 from pool.backends import cuda_vmm
@@ -579,3 +581,37 @@ def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
     finally:
         pool.close()
     assert_nothing_left(drv)
+
+
+_DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@given(
+    offset=st.integers(0, 600),
+    dtype=st.sampled_from(_DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple),
+)
+def test_typed_view_cached_path_equals_the_slice_path(
+    offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    base = torch.arange(1024, dtype=torch.int64).to(torch.uint8)  # distinct bytes per offset
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    nbytes = dtype.itemsize * torch.Size(shape).numel()
+    if offset + nbytes > base.numel():
+        with pytest.raises(ValueError, match="outside the slab"):
+            cuda_vmm.typed_view(base, offset, dtype, shape, typed)
+        return
+    if offset % dtype.itemsize:
+        with pytest.raises(ValueError, match="not aligned"):
+            cuda_vmm.typed_view(base, offset, dtype, shape, typed)
+        return
+    fast = cuda_vmm.typed_view(base, offset, dtype, shape, typed)
+    slow = cuda_vmm.typed_view(base, offset, dtype, shape)  # no cache: slice and two views
+    assert fast.shape == slow.shape == torch.Size(shape)
+    assert fast.dtype == dtype and fast.is_contiguous()
+    if nbytes:  # zero-copy (an empty tensor's data_ptr is 0)
+        assert fast.data_ptr() == slow.data_ptr() == base.data_ptr() + offset
+    assert torch.equal(fast, slow)
+    assert torch.equal(  # the bytes under the view are base[offset:offset + nbytes]
+        fast.reshape(-1).view(torch.uint8), base[offset : offset + nbytes]
+    )

@@ -34,18 +34,23 @@ JPEG = image_bytes("JPEG", size=(64, 48))
 
 
 class SlowEncoder:
-    """The tiny encoder, but each batch takes ``delay_s``: requests pile up in the queue."""
+    """The tiny encoder, but each batch takes ``delay_s`` (or, with ``gate``, waits until the
+    test opens it): requests pile up in the queue."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, gate: threading.Event | None = None) -> None:
         self.inner = build_encoder("tiny-test", device=torch.device("cpu"))
         self.delay_s = delay_s
+        self.gate = gate
         self.started = threading.Event()
         for name in ("name", "image_size", "mean", "std", "output_shape", "dtype", "device"):
             setattr(self, name, getattr(self.inner, name))
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         self.started.set()
-        time.sleep(self.delay_s)
+        if self.gate is not None:
+            self.gate.wait(10)
+        else:
+            time.sleep(self.delay_s)
         return self.inner.encode(pixels)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
@@ -117,7 +122,8 @@ def test_client_disconnecting_mid_upload_leaks_nothing(tmp_path: Path) -> None:
 def test_requests_cancelled_while_queued_or_encoding_leak_nothing(tmp_path: Path) -> None:
     """Cancel requests in the engine (as a dropped connection does to its handler task): those
     still queued are skipped, those whose batch is running have their leases released."""
-    slow = SlowEncoder(0.3)
+    gate = threading.Event()  # the first batch encodes until the cancels are in
+    slow = SlowEncoder(0.0, gate)
     app = create_app(small_settings(tmp_path, max_batch_size=2, queue_size=64), encoder=slow)
     engine = app.state.engine
 
@@ -125,10 +131,12 @@ def test_requests_cancelled_while_queued_or_encoding_leak_nothing(tmp_path: Path
         await engine.start()
         try:
             tasks = [asyncio.create_task(engine.encode([("i", JPEG)], None)) for _ in range(8)]
-            await asyncio.to_thread(slow.started.wait, 5)  # the first batch is encoding
+            assert await asyncio.to_thread(slow.started.wait, 10)  # the first batch is encoding
             await asyncio.sleep(0.05)
-            for t in tasks[1:]:  # tasks[0]'s batch runs; [1] shares it; the rest are queued
+            for t in tasks[1:]:  # tasks[0]'s batch runs; [1] may share it; the rest are queued
                 t.cancel()
+            await asyncio.sleep(0.05)  # the cancelled handlers drop their queued items
+            gate.set()
             done = await asyncio.gather(*tasks, return_exceptions=True)
             for _ in range(200):  # the batch thread finishes; its orphan leases are released
                 if engine.pool.stats()["leases_active"] <= 1:
