@@ -223,7 +223,7 @@ def fresh_vmm_export(
 ) -> tuple[FreshAlloc, int]:
     """Producer: cuMemCreate, reserve + map + set access, copy the feature in, export a POSIX FD.
     The caller syncs the stream before sending the FD (there is no ready word here)."""
-    from pool.backends.cuda_vmm import map_allocation, round_up
+    from pool.backends.vmm import map_allocation, round_up
     from pool.driver import HandleType
 
     size = round_up(nbytes, gran)
@@ -245,7 +245,7 @@ def fresh_vmm_export(
 
 def fresh_vmm_import(drv: Any, fd: int, size: int, gran: int, ordinal: int) -> FreshAlloc:
     """Consumer: import the FD (closed here), reserve + map read-only."""
-    from pool.backends.cuda_vmm import map_allocation
+    from pool.backends.vmm import map_allocation
 
     try:
         handle = drv.import_fd(fd)
@@ -331,14 +331,14 @@ def consumer_main(conn: Any, sock: str, use_cuda: bool) -> None:
             size, shape = payload
             fd = recv_handle(conn)
             if drv is None:
-                from pool.backends.cuda_vmm import TorchCuda, typed_view
+                from pool.backends.cuda_vmm import TorchCuda
                 from pool.driver import Driver
 
                 rt = TorchCuda(0)
                 rt.init()
                 drv = Driver()
                 drv.use_device(0)
-            from pool.backends.cuda_vmm import typed_view
+            from pool.backends.vmm import typed_view
             from pool.driver import HandleType
 
             gran = drv.granularity(0, HandleType.POSIX_FD)

@@ -18,12 +18,19 @@ import base64
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from pool.allocator import Extent
+from pool.backends.vmm import (
+    DevicePointer,
+    Mapping,
+    map_allocation,
+    round_up,
+    unmap_allocation,
+)
 from pool.control import ACK_OFFSET, READY_OFFSET, ControlBlock
 from pool.driver import Driver, DriverAPI, HandleType, is_not_permitted
 from pool.errors import CudaError, CudaUnavailable, HandoffError, InvalidTensor
@@ -35,10 +42,6 @@ IMEX_HINT = (
     "FABRIC handles unavailable: no IMEX channel (/dev/nvidia-caps-imex-channels); "
     "falling back to POSIX FD on a single node"
 )
-
-
-def round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
 
 
 class TorchCuda:
@@ -73,59 +76,13 @@ class TorchCuda:
 
     def tensor_at(self, ptr: int, nbytes: int) -> torch.Tensor:
         """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (zero-copy)."""
-        return torch.as_tensor(_DevicePointer(ptr, nbytes), device=self.device)
+        return torch.as_tensor(DevicePointer(ptr, nbytes), device=self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
     def uuid(self) -> str:
         return str(torch.cuda.get_device_properties(self.index).uuid)
-
-
-class _DevicePointer:
-    """Exposes raw device memory through ``__cuda_array_interface__`` (version 3)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (int(ptr), False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
-
-
-def typed_view(
-    base: torch.Tensor,
-    offset: int,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    typed: dict[torch.dtype, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``base[offset:]`` (a flat uint8 tensor) seen as a ``dtype`` tensor of ``shape``.
-
-    ``typed`` caches whole-slab ``dtype`` views of ``base``: with it, an aligned offset costs
-    one ``as_strided`` instead of a slice and two views (1.3 vs 4.5 us on the H200; this runs
-    on every ``open``)."""
-    count = 1
-    for d in shape:
-        count *= d
-    size = dtype.itemsize
-    nbytes = count * size
-    if offset < 0 or offset + nbytes > base.numel():
-        raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the slab of {base.numel()}")
-    if offset % size:
-        raise ValueError(f"offset {offset} is not aligned to {dtype} ({size} bytes)")
-    if typed is None or base.numel() % size:
-        return base[offset : offset + nbytes].view(dtype).view(shape)
-    whole = typed.get(dtype)
-    if whole is None:
-        whole = typed[dtype] = base.view(dtype)
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    return torch.as_strided(whole, shape, strides, offset // size)
 
 
 @dataclass(frozen=True)
@@ -135,49 +92,6 @@ class FabricStatus:
     mode: str  # the configured mode: auto, off, require
     available: bool
     reason: str  # why not (empty when available)
-
-
-@dataclass
-class _Mapping:
-    """One mapped allocation: the physical handle and the VA range it is mapped at."""
-
-    size: int
-    handle: Any
-    ptr: int
-    base: torch.Tensor | None = None  # uint8 tensor over the whole range
-    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # views of base by dtype
-
-    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.base is None:
-            raise HandoffError("slab closed; reattach")
-        return typed_view(self.base, offset, dtype, shape, self.typed)
-
-
-def map_allocation(
-    driver: DriverAPI, handle: Any, size: int, granularity: int, ordinal: int, *, read_only: bool
-) -> int:
-    """Reserve a VA range, map ``handle`` there and set access. On any failure, undo the steps
-    already done in reverse order; the caller still owns ``handle``."""
-    ptr = driver.address_reserve(size, granularity)
-    try:
-        driver.mem_map(ptr, size, handle)
-        try:
-            driver.set_access(ptr, size, ordinal, read_only=read_only)
-        except BaseException:
-            driver.mem_unmap(ptr, size)
-            raise
-    except BaseException:
-        driver.address_free(ptr, size)
-        raise
-    return ptr
-
-
-def unmap_allocation(driver: DriverAPI, m: _Mapping) -> None:
-    m.base = None
-    m.typed.clear()
-    driver.mem_unmap(m.ptr, m.size)
-    driver.address_free(m.ptr, m.size)
-    driver.mem_release(m.handle)
 
 
 def register_control(driver: DriverAPI, ctrl: ControlBlock) -> int:
@@ -243,7 +157,7 @@ class CudaVmmBackend:
             HandleType.FABRIC if fabric.available else HandleType(0)
         )
         self.slab_sizes: list[int] = []
-        self._slabs: list[_Mapping] = []
+        self._slabs: list[Mapping] = []
         self._fds: list[int] | None = None
         self._fabric: list[bytes] | None = None
         self._ctrl: ControlBlock | None = None
@@ -307,7 +221,7 @@ class CudaVmmBackend:
         except BaseException:
             self.driver.mem_release(handle)
             raise
-        m = _Mapping(size, handle, ptr)
+        m = Mapping(size, handle, ptr)
         self._slabs.append(m)  # from here close() undoes it
         self.slab_sizes.append(size)
         m.base = self.rt.tensor_at(ptr, size)
@@ -460,9 +374,9 @@ class CudaVmmBackend:
 class _ConsumerSlab:
     """A slab imported and mapped read-only in a consumer process."""
 
-    def __init__(self, consumer: CudaConsumer, m: _Mapping) -> None:
+    def __init__(self, consumer: CudaConsumer, m: Mapping) -> None:
         self._consumer = consumer
-        self._m: _Mapping | None = m
+        self._m: Mapping | None = m
 
     @property
     def ptr(self) -> int:
@@ -523,7 +437,7 @@ class CudaConsumer:
         except BaseException:
             self.driver.mem_release(handle)
             raise
-        m = _Mapping(size, handle, ptr)
+        m = Mapping(size, handle, ptr)
         slab = _ConsumerSlab(self, m)
         try:
             m.base = self.rt.tensor_at(ptr, size)
