@@ -104,6 +104,7 @@ class FeaturePool:
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
         self.alloc_failures: Counter[str] = Counter()  # by tier
         self.consumers_attached = 0  # kept by the hand-off server
+        self.remote_consumers_attached = 0  # of those, on other nodes (kept by the TCP server)
 
     @property
     def epoch(self) -> int:
@@ -388,14 +389,27 @@ class FeaturePool:
 
     def reap(self) -> int:
         """Release acknowledged leases and expire overdue ones; returns how many ended."""
+        # Acks of consumers on other nodes live in GPU memory: one batched read per tier, made
+        # outside the lock and only while such consumers are attached. An ack read a moment
+        # ago still proves what it proves: it is compared with the slot's generation now.
+        remote = []
+        if self.remote_consumers_attached > 0:
+            for t in self.tiers:
+                read = getattr(t.backend, "remote_acks", None)
+                acks = read() if read is not None else None
+                if acks is not None:
+                    remote.append(acks)
         with self._lock:
-            return self._reap_locked()
+            return self._reap_locked(remote)
 
-    def _reap_locked(self) -> int:
+    def _reap_locked(self, remote_acks: Sequence[np.ndarray] = ()) -> int:
         slots = self.ctrl.slots
-        acked = np.flatnonzero((slots["ack"] == slots["gen"]) & (slots["gen"] != 0))
+        gen = slots["gen"]
+        acked = slots["ack"] == gen
+        for acks in remote_acks:
+            acked |= acks == gen
         ended = 0
-        for slot in acked.tolist():
+        for slot in np.flatnonzero(acked & (gen != 0)).tolist():
             lease = self.leases.by_slot(slot)
             if lease is not None and lease.state is LeaseState.READY:
                 self._end(lease, reason="ack")
@@ -468,6 +482,7 @@ class FeaturePool:
                 "fallbacks": dict(self.fallbacks),
                 "alloc_failures": dict(self.alloc_failures),
                 "consumers_attached": self.consumers_attached,
+                "remote_consumers_attached": self.remote_consumers_attached,
             }
 
     def close(self) -> None:

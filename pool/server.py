@@ -1,10 +1,14 @@
-"""The hand-off server: consumers on the node connect to a Unix socket, are checked, and receive
-the control block and slab FDs once. Later messages look up, renew or release leases.
+"""The hand-off servers. ``HandoffServer``: consumers on the node connect to a Unix socket, are
+checked, and receive the control block and slab FDs once. ``FabricHandoffServer``: consumers on
+other nodes of a multi-node NVLink domain connect over TCP with the shared token and receive
+FABRIC handles of the slabs and of the device control words instead. Later messages look up,
+renew or release leases.
 
-Security: the peer's uid/gid (SO_PEERCRED, from the kernel, not the peer) must be on the
-allowlist, an optional shared token must match, the socket file is mode 0660, and messages are
-JSON: nothing is ever unpickled. Each connection has its own thread; a malformed message ends
-only that connection.
+Security: on the Unix socket the peer's uid/gid (SO_PEERCRED, from the kernel, not the peer)
+must be on the allowlist, an optional shared token must match, and the socket file is mode
+0660. Over TCP the token is mandatory (a FABRIC handle maps the memory from anywhere in the
+domain); bind it to the cluster's private network. Messages are JSON: nothing is ever
+unpickled. Each connection has its own thread; a malformed message ends only that connection.
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ class HandoffServer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._sock = self._listen()
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="featpool-handoff", daemon=True
+        )
+        self._thread.start()
+
+    def _listen(self) -> socket.socket:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -62,11 +73,6 @@ class HandoffServer:
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="featpool-handoff", daemon=True
-        )
-        self._thread.start()
         log.info(
             "hand-off socket listening at %s (uids %s, gids %s, token %s)",
             self.path,
@@ -74,6 +80,7 @@ class HandoffServer:
             sorted(self.allowed_gids),
             "required" if self.token else "off",
         )
+        return sock
 
     def _remove_stale_socket(self) -> None:
         try:
@@ -109,6 +116,9 @@ class HandoffServer:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -132,10 +142,8 @@ class HandoffServer:
         with self._lock:
             self._conns.add(conn)
         try:
-            pid, uid, gid = peer_credentials(conn)
-            if uid not in self.allowed_uids and gid not in self.allowed_gids:
-                log.warning("hand-off peer pid %d uid %d gid %d rejected", pid, uid, gid)
-                send_msg(conn, _error("peer_rejected", f"uid {uid} / gid {gid} not allowed"))
+            peer = self._admit(conn)
+            if peer is None:
                 return
             msg, _ = recv_msg(conn)
             if msg["op"] != "hello":
@@ -154,15 +162,15 @@ class HandoffServer:
             # Compared as bytes: compare_digest refuses non-ASCII str (a peer could send one).
             given = str(msg.get("token", "")).encode()
             if self.token and not hmac.compare_digest(given, self.token.encode()):
-                log.warning("hand-off peer pid %d uid %d: bad token", pid, uid)
+                log.warning("hand-off peer %s: bad token", peer)
                 send_msg(conn, _error("peer_rejected", "bad or missing token"))
                 return
             welcome, fds = self._welcome()
             with self._lock:  # counted before the welcome, so a client that has it is counted
-                self.pool.consumers_attached += 1
+                self._count(+1)
             attached = True
             send_msg(conn, welcome, fds)
-            log.info("consumer pid %d uid %d attached", pid, uid)
+            log.info("consumer %s attached", peer)
             while True:
                 msg, _ = recv_msg(conn)
                 send_msg(conn, self._handle(msg))
@@ -181,10 +189,22 @@ class HandoffServer:
         finally:
             if attached:
                 with self._lock:
-                    self.pool.consumers_attached -= 1
+                    self._count(-1)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _admit(self, conn: socket.socket) -> str | None:
+        """The peer, described for the log, if it may go on; else tell it why and None."""
+        pid, uid, gid = peer_credentials(conn)
+        if uid not in self.allowed_uids and gid not in self.allowed_gids:
+            log.warning("hand-off peer pid %d uid %d gid %d rejected", pid, uid, gid)
+            send_msg(conn, _error("peer_rejected", f"uid {uid} / gid {gid} not allowed"))
+            return None
+        return f"pid {pid} uid {uid}"
+
+    def _count(self, delta: int) -> None:
+        self.pool.consumers_attached += delta
 
     def _welcome(self) -> tuple[dict[str, Any], list[int]]:
         slabs: list[dict[str, Any]] = []
@@ -235,6 +255,57 @@ class HandoffServer:
             return _error(e.type, str(e))
         except ValueError as e:
             return _error("protocol_error", str(e))
+
+
+class FabricHandoffServer(HandoffServer):
+    """The hand-off for consumers on other nodes: TCP, token mandatory, FABRIC handles in the
+    welcome (``welcome``: the GPU tier's ``remote_welcome``), no FDs."""
+
+    def __init__(
+        self,
+        pool: FeaturePool,
+        host: str,
+        port: int,
+        *,
+        token: str,
+        welcome: Callable[[], dict[str, Any]],
+    ) -> None:
+        if not token:
+            raise HandoffError(
+                "a FABRIC hand-off over TCP needs a token (--socket-token): a FABRIC handle "
+                "maps the pool's memory from any node of the NVLink domain"
+            )
+        super().__init__(pool, Path(f"{host}:{port}"), token=token, extra_welcome=welcome)
+        self.host, self.port = host, port
+
+    def _listen(self) -> socket.socket:
+        sock = socket.create_server((self.host, self.port), backlog=64)
+        self.port = sock.getsockname()[1]  # the port given may be 0 (any free port)
+        log.info("FABRIC hand-off listening on %s:%d (token required)", self.host, self.port)
+        return sock
+
+    def _admit(self, conn: socket.socket) -> str | None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/replies
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"  # the token decides, checked on hello
+
+    def _count(self, delta: int) -> None:
+        self.pool.consumers_attached += delta
+        self.pool.remote_consumers_attached += delta
+
+    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
+        assert self.extra_welcome is not None
+        msg: dict[str, Any] = {
+            "op": "welcome",
+            "version": PROTOCOL_VERSION,
+            "epoch": epoch_hex(self.pool.epoch),
+            "remote": True,
+            **self.extra_welcome(),
+        }
+        return msg, []
+
+    def _cleanup(self) -> None:
+        pass
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from pool.allocator import Extent
+from pool.backends.device_control import DeviceControl
 from pool.backends.vmm import (
     DevicePointer,
     Mapping,
@@ -31,7 +32,7 @@ from pool.backends.vmm import (
     round_up,
     unmap_allocation,
 )
-from pool.control import ACK_OFFSET, READY_OFFSET, ControlBlock
+from pool.control import ACK_OFFSET, HEADER_SIZE, READY_OFFSET, SLOT_STRIDE, ControlBlock
 from pool.driver import Driver, DriverAPI, HandleType, is_not_permitted
 from pool.errors import CudaError, CudaUnavailable, HandoffError, InvalidTensor
 
@@ -63,6 +64,8 @@ class TorchCuda:
         self.index = device_index
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._raw_stream = raw
+        self._side: torch.cuda.Stream | None = None
+        self._pinned: dict[int, torch.Tensor] = {}
 
     def init(self) -> None:
         """Make torch create the device's primary context, so the driver calls share it."""
@@ -80,6 +83,23 @@ class TorchCuda:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def read_back(self, src: torch.Tensor) -> bytes:
+        """The bytes of a small uint8 device tensor: one copy on a side stream into pinned
+        memory, then a wait on that copy alone (never on the device or other streams)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        host = self._pinned.get(src.numel())
+        if host is None:
+            host = self._pinned[src.numel()] = torch.empty(
+                src.numel(), dtype=torch.uint8, pin_memory=True
+            )
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self._side):
+            host.copy_(src, non_blocking=True)
+            done.record(self._side)
+        done.synchronize()
+        return host.numpy().tobytes()
 
     def uuid(self) -> str:
         return str(torch.cuda.get_device_properties(self.index).uuid)
@@ -162,6 +182,7 @@ class CudaVmmBackend:
         self._fabric: list[bytes] | None = None
         self._ctrl: ControlBlock | None = None
         self._ctrl_dptr = 0
+        self.remote: DeviceControl | None = None  # control words for consumers on other nodes
         self._closed = False
         try:
             for size in slab_sizes:
@@ -243,6 +264,54 @@ class CudaVmmBackend:
         if ctrl is not None:
             self.driver.host_unregister(ctrl.address)
 
+    def enable_remote(self, nslots: int) -> None:
+        """Keep ready and ack words in GPU memory as well, exported with FABRIC, for consumers
+        on other nodes (``pool.backends.device_control``). Needs FABRIC handles."""
+        if not self.fabric_status.available:
+            raise CudaUnavailable(
+                f"consumers on other nodes need FABRIC handles, but {self.fabric_status.reason}"
+            )
+        if self.remote is None:
+            self.remote = DeviceControl(
+                self.driver,
+                self.rt,
+                self.ordinal,
+                granularity=self.granularity,
+                nslots=nslots,
+                handle_types=self.handle_types,
+            )
+
+    def remote_acks(self) -> Any:
+        """Every slot's ack word as remote consumers wrote it (numpy u32), or None."""
+        return None if self.remote is None else self.remote.read_slots()["ack"]
+
+    def remote_welcome(self) -> dict[str, Any]:
+        """What a consumer on another node maps: every slab's and the control words' FABRIC
+        handle (base64). Only for authenticated peers: a handle maps the memory."""
+        if self.remote is None:
+            raise HandoffError("remote consumers are not enabled on this pool")
+        b64 = base64.b64encode
+        return {
+            **self.welcome_info(),
+            "slabs": [
+                {
+                    "tier": self.tier,
+                    "transport": self.transport,
+                    "index": i,
+                    "size": size,
+                    "fabric_handle": b64(h).decode(),
+                }
+                for i, (h, size) in enumerate(
+                    zip(self.fabric_handles(), self.slab_sizes, strict=True)
+                )
+            ],
+            "control": {
+                "fabric_handle": b64(self.remote.fabric_handle()).decode(),
+                "size": self.remote.size,
+                "nslots": self.remote.nslots,
+            },
+        }
+
     # ---- the Backend protocol --------------------------------------------------------------
 
     def publish(
@@ -272,8 +341,13 @@ class CudaVmmBackend:
             dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
             dst.copy_(tensor, non_blocking=True)
         # Same stream, after the copy: the write is ordered behind it (with a memory barrier).
+        self._write_ready(stream, ctrl, slot, gen)
+
+    def _write_ready(self, stream: int, ctrl: ControlBlock, slot: int, gen: int) -> None:
         word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
         self.driver.stream_write_value32(stream, word, gen)
+        if self.remote is not None:  # the same word for consumers on other nodes
+            self.driver.stream_write_value32(stream, self.remote.word(slot, READY_OFFSET), gen)
 
     def publish_many(
         self, items: Sequence[tuple[Extent, torch.Tensor, int, int]], ctrl: ControlBlock
@@ -297,8 +371,7 @@ class CudaVmmBackend:
         torch._foreach_copy_(dsts, [t for _, t, _, _ in items])
         stream = self.rt.current_stream()
         for _, _, slot, gen in items:
-            word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
-            self.driver.stream_write_value32(stream, word, gen)
+            self._write_ready(stream, ctrl, slot, gen)
 
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         m = self._slabs[extent.slab]
@@ -353,6 +426,12 @@ class CudaVmmBackend:
             self.rt.synchronize()  # no copy may still target memory we are about to unmap
         finally:
             errors: list[BaseException] = []
+            remote, self.remote = self.remote, None
+            if remote is not None:
+                try:
+                    remote.close()
+                except CudaError as e:
+                    errors.append(e)
             for m in reversed(self._slabs):
                 try:
                     unmap_allocation(self.driver, m)
@@ -401,13 +480,15 @@ class CudaConsumer:
 
     def __init__(
         self,
-        ctrl: ControlBlock,
+        ctrl: ControlBlock | None,
         cuda_info: dict[str, Any],
         device: torch.device | None,
         *,
         driver: DriverAPI | None = None,
         rt: Any = None,
     ) -> None:
+        """``ctrl``: the producer's host control block (same node). None for a consumer on
+        another node, which maps the device control words with ``map_remote_control``."""
         self.ctrl = ctrl
         self.info = cuda_info
         self.driver: DriverAPI = driver if driver is not None else Driver()
@@ -417,11 +498,17 @@ class CudaConsumer:
         self.driver.use_device(self.ordinal)
         self.slabs: set[_ConsumerSlab] = set()
         self._gran: int | None = cuda_info.get("granularity")
-        try:
-            self._dptr = register_control(self.driver, ctrl)
-        except BaseException:
-            self.driver.release_device()
-            raise
+        # Where slot 0's record is, in device addresses, and how many slots there are.
+        self._words = 0
+        self._nslots = 0
+        self._control: _ConsumerSlab | None = None  # the device control words (remote)
+        if ctrl is not None:
+            try:
+                self._words = register_control(self.driver, ctrl) + HEADER_SIZE
+            except BaseException:
+                self.driver.release_device()
+                raise
+            self._nslots = ctrl.nslots
         self._closed = False
 
     def _granularity(self) -> int:
@@ -429,10 +516,10 @@ class CudaConsumer:
             self._gran = self.driver.granularity(self.ordinal, HandleType.POSIX_FD)
         return self._gran
 
-    def _map(self, handle: Any, size: int) -> _ConsumerSlab:
+    def _map(self, handle: Any, size: int, *, read_only: bool = True) -> _ConsumerSlab:
         try:
             ptr = map_allocation(
-                self.driver, handle, size, self._granularity(), self.ordinal, read_only=True
+                self.driver, handle, size, self._granularity(), self.ordinal, read_only=read_only
             )
         except BaseException:
             self.driver.mem_release(handle)
@@ -458,9 +545,24 @@ class CudaConsumer:
     def map_fabric(self, handle_b64: str | bytes, size: int) -> _ConsumerSlab:
         """Import a slab's FABRIC handle (from ``welcome['cuda']['fabric_handles']``) and map it
         read-only: the path for a consumer on another node of the NVLink domain."""
+        return self._map(self._import_fabric(handle_b64), size)
+
+    def map_remote_control(self, handle_b64: str | bytes, size: int, nslots: int) -> None:
+        """Map the producer's device control words (FABRIC) read-write: this process's streams
+        wait on their ready words and write acks into them."""
+        if self.ctrl is not None or self._control is not None:
+            raise HandoffError("this consumer already has control words")
+        slab = self._map(self._import_fabric(handle_b64), size, read_only=False)
+        self.slabs.discard(slab)  # closed last, after the slabs' reads (see close)
+        if nslots * SLOT_STRIDE > size:
+            slab.close()
+            raise HandoffError(f"{nslots} slots do not fit device control words of {size} bytes")
+        self._control, self._words, self._nslots = slab, slab.ptr, nslots
+
+    def _import_fabric(self, handle_b64: str | bytes) -> Any:
         raw = base64.b64decode(handle_b64) if isinstance(handle_b64, str) else handle_b64
         try:
-            handle = self.driver.import_fabric(raw)
+            return self.driver.import_fabric(raw)
         except CudaError as e:
             if is_not_permitted(e):
                 raise CudaUnavailable(
@@ -468,12 +570,11 @@ class CudaConsumer:
                     "exporter's IMEX channel (/dev/nvidia-caps-imex-channels)"
                 ) from e
             raise
-        return self._map(handle, size)
 
     def _word(self, slot: int, offset: int) -> int:
-        if not 0 <= slot < self.ctrl.nslots:
-            raise ValueError(f"slot {slot} outside the control block ({self.ctrl.nslots})")
-        return self._dptr + (self.ctrl.slot_address(slot, offset) - self.ctrl.address)
+        if not 0 <= slot < self._nslots:
+            raise ValueError(f"slot {slot} outside the control words ({self._nslots} slots)")
+        return self._words + slot * SLOT_STRIDE + offset
 
     def wait_ready(self, slot: int, gen: int) -> None:
         """Enqueue, on the current stream, a wait until the slot's ready word >= ``gen``."""
@@ -497,7 +598,11 @@ class CudaConsumer:
             for slab in list(self.slabs):
                 slab.close()
             try:
-                self.driver.host_unregister(self.ctrl.address)
+                if self._control is not None:
+                    self._control.close()
+                    self._control = None
+                if self.ctrl is not None:
+                    self.driver.host_unregister(self.ctrl.address)
             finally:
                 self.driver.release_device()
 
