@@ -9,6 +9,15 @@ features out of a featpool producer without copying them.
 ``lease`` is the descriptor the HTTP API returned (a dict) or just its ``lease_id``.
 On the GPU tier ``open`` and ``release`` are stream-ordered on the current CUDA stream: open
 enqueues a wait on the lease's ready word, release enqueues the ack after your reads.
+
+From another node of a multi-node NVLink domain (the producer runs with ``--fabric-listen``):
+
+    client = FeatureClient.connect("tcp://producer-host:7070", token=TOKEN)
+
+maps the GPU tier through FABRIC handles and waits / acks on control words in the producer's
+GPU memory. Such a client cannot read the host control block, so ``open`` cannot see on its own
+that a lease ended before you read it: call ``is_current(lease)`` after reading (it asks the
+producer) when the deadline could have passed.
 """
 
 from __future__ import annotations
@@ -85,7 +94,12 @@ class FeatureClient:
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        self.socket_path = Path(socket_path)
+        where = str(socket_path)
+        self.remote = where.startswith("tcp://")  # a consumer on another node
+        self.socket_path = Path(socket_path) if not self.remote else Path()
+        self.address = where
+        if self.remote and not token:
+            raise ValueError("a tcp:// hand-off needs the producer's token (token=...)")
         self.token = token
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
@@ -114,11 +128,26 @@ class FeatureClient:
         client._attach()
         return client
 
+    def _connect(self) -> socket.socket:
+        if not self.remote:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(str(self.socket_path))
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        host, sep, port = self.address.removeprefix("tcp://").rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"expected tcp://HOST:PORT, got {self.address!r}")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def _attach(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
+        sock = self._connect()
         try:
-            sock.connect(str(self.socket_path))
             hello: dict[str, Any] = {"op": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid()}
             if self.token is not None:
                 hello["token"] = self.token
@@ -126,15 +155,22 @@ class FeatureClient:
                 send_msg(sock, hello)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # a server that refuses the peer may close first: its answer is still queued
-            msg, fds = recv_msg(sock, want_fds=True)
+            msg, fds = recv_msg(sock, want_fds=not self.remote)
         except BaseException:
             sock.close()
             raise
         try:
             _raise_if_error(msg)
-            if msg["op"] != "welcome" or len(fds) != 1 + len(msg["slabs"]):
-                raise HandoffError(f"unexpected answer to hello: {msg['op']} with {len(fds)} FDs")
-            self._map(msg, fds)
+            if self.remote:
+                if msg["op"] != "welcome" or not msg.get("remote"):
+                    raise HandoffError(f"unexpected answer to a remote hello: {msg['op']}")
+                self._map_remote(msg)
+            else:
+                if msg["op"] != "welcome" or len(fds) != 1 + len(msg["slabs"]):
+                    raise HandoffError(
+                        f"unexpected answer to hello: {msg['op']} with {len(fds)} FDs"
+                    )
+                self._map(msg, fds)
         except BaseException:
             sock.close()
             self._unmap()  # first: it closes the control block's FD, which it owns
@@ -160,6 +196,19 @@ class FeatureClient:
             else:
                 os.close(fd)
                 raise HandoffError(f"unknown transport {slab['transport']!r}")
+
+    def _map_remote(self, msg: dict[str, Any]) -> None:
+        """Map the GPU tier and its device control words through FABRIC handles."""
+        from pool.backends.cuda_vmm import CudaConsumer
+
+        self._cuda = CudaConsumer(None, msg.get("cuda", {}), self.device)
+        ctl = msg["control"]
+        self._cuda.map_remote_control(ctl["fabric_handle"], int(ctl["size"]), int(ctl["nslots"]))
+        for slab in msg["slabs"]:
+            self._transports[slab["tier"]] = slab["transport"]
+            self._slabs[(slab["tier"], slab["index"])] = self._cuda.map_fabric(
+                slab["fabric_handle"], int(slab["size"])
+            )
 
     def _cuda_consumer(self, msg: dict[str, Any]) -> Any:
         if self._cuda is None:
@@ -196,10 +245,17 @@ class FeatureClient:
             )
         ctrl = self._check_live(desc)
         slot, gen = int(desc["slot"]), int(desc["generation"])
-        mapping = self._slabs[(desc["tier"], int(desc["slab"]))]
+        mapping = self._slabs.get((desc["tier"], int(desc["slab"])))
+        if mapping is None:
+            raise PoolError(
+                f"lease {desc['lease_id']} is on the {desc['tier']} tier, which this client "
+                f"has not mapped (a consumer on another node maps only the GPU tier): fetch it "
+                f"with GET /v1/leases/{desc['lease_id']}/tensor"
+            )
         if self._transports[desc["tier"]] == "cuda_vmm":
             self._cuda.wait_ready(slot, gen)
         else:
+            assert ctrl is not None
             deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             while ctrl.ready(slot) < gen:  # the ready word only grows: >= means published
                 if ctrl.gen(slot) != gen:
@@ -213,10 +269,15 @@ class FeatureClient:
         """True while the lease still owns its slot. Check it after reading if the deadline may
         have passed while you read: False means the bytes may have been overwritten."""
         desc = self._descriptor(lease)
-        assert self._ctrl is not None
-        return desc["epoch"] == self.epoch and self._ctrl.gen(int(desc["slot"])) == int(
-            desc["generation"]
-        )
+        if desc["epoch"] != self.epoch:
+            return False
+        if self._ctrl is None:  # another node: only the producer knows
+            try:
+                now = self.lookup(str(desc["lease_id"]))
+            except (LeaseNotFound, LeaseExpired, LeaseReleased):
+                return False
+            return int(now["generation"]) == int(desc["generation"])
+        return self._ctrl.gen(int(desc["slot"])) == int(desc["generation"])
 
     def release(self, lease: LeaseRef) -> None:
         """Tell the producer you are done. Writes the ack word (stream-ordered on the GPU tier);
@@ -227,10 +288,12 @@ class FeatureClient:
             return
         ctrl = self._check_live(desc)
         slot, gen = int(desc["slot"]), int(desc["generation"])
-        if self._transports[desc["tier"]] == "cuda_vmm":
+        if self._transports.get(desc["tier"]) == "cuda_vmm":
             self._cuda.ack(slot, gen)
-        else:
+        elif ctrl is not None:
             ctrl.set_ack(slot, gen)
+        else:  # a tier this client has not mapped: release over the connection
+            self._request({"op": "release", "lease_id": desc["lease_id"]})
 
     def renew(self, lease: LeaseRef, ttl_s: float | None = None) -> dict[str, Any]:
         desc = self._descriptor(lease)
@@ -247,8 +310,10 @@ class FeatureClient:
             raise ValueError(f"lease descriptor lacks {missing}")
         return lease
 
-    def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock:
-        if self._ctrl is None:
+    def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock | None:
+        """The host control block (None on another node), once the lease is known to be of
+        this pool instance and, where the block is readable, still in its slot."""
+        if self._sock is None:
             raise HandoffError("client is closed; connect again")
         if desc["epoch"] != self.epoch:
             raise PoolRestarted(
@@ -256,7 +321,7 @@ class FeatureClient:
                 f"attached to epoch {self.epoch}: the producer restarted; call reattach() and "
                 f"get new leases"
             )
-        if self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
+        if self._ctrl is not None and self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
             raise StaleLease(
                 f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)"
             )

@@ -23,11 +23,20 @@ from hypothesis import strategies as st
 from pool.allocator import Extent
 from pool.backends import cuda_vmm, vmm
 from pool.backends.cuda_vmm import CudaConsumer, CudaVmmBackend, FabricStatus, probe_fabric
-from pool.control import ControlBlock
+from pool.control import ACK_OFFSET, READY_OFFSET, ControlBlock
 from pool.driver import Driver, HandleType, load_bindings
-from pool.errors import CudaError, CudaUnavailable, InvalidTensor, StaleLease
+from pool.errors import (
+    CudaError,
+    CudaUnavailable,
+    HandoffError,
+    InvalidTensor,
+    LeaseReleased,
+    PeerRejected,
+    PoolError,
+    StaleLease,
+)
 from pool.featurepool import FeaturePool
-from pool.server import HandoffServer
+from pool.server import FabricHandoffServer, HandoffServer
 
 MiB = 1 << 20
 GRAN = 2 * MiB
@@ -183,6 +192,13 @@ class FakeDriver:
         return addr + DEV_OFFSET
 
     def _host(self, dptr: int) -> int:
+        """The host address behind a device address: registered host memory, or the fake
+        device memory of a mapped allocation (its bytearray)."""
+        for ptr, (handle, _) in self.maps.items():
+            if ptr <= dptr < ptr + handle.size:
+                return ctypes.addressof((ctypes.c_char * handle.size).from_buffer(handle.mem)) + (
+                    dptr - ptr
+                )
         host = dptr - DEV_OFFSET
         assert any(a <= host < a + s for a, s in self.registered.items()), "unregistered word"
         return host
@@ -228,6 +244,10 @@ class FakeRuntime:
 
     def synchronize(self) -> None:
         self.driver.calls.append(("synchronize",))
+
+    def read_back(self, src: torch.Tensor) -> bytes:
+        self.driver.calls.append(("read_back", src.numel()))
+        return bytes(src.numpy())
 
     def uuid(self) -> str:
         return "GPU-fake-0000"
@@ -615,3 +635,163 @@ def test_typed_view_cached_path_equals_the_slice_path(
     # patterns are NaN as floats).
     for t in (fast, slow):
         assert torch.equal(t.reshape(-1).view(torch.uint8), base[offset : offset + nbytes])
+
+
+# ---- a consumer on another node (FABRIC, device control words, TCP) -----------------------
+
+TOKEN = "s3cret-token"
+
+
+def fake_consumer_side(monkeypatch: pytest.MonkeyPatch, drv: FakeDriver) -> None:
+    """FeatureClient builds its CudaConsumer with the fake driver and runtime."""
+    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv))
+    monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
+
+
+def remote_served(
+    nslots: int = 8,
+) -> tuple[CudaVmmBackend, FakeDriver, FeaturePool, FabricHandoffServer]:
+    be, drv = make(permitted=True)
+    pool = FeaturePool([be], max_leases=nslots)
+    be.enable_remote(pool.ctrl.nslots)
+    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN, welcome=be.remote_welcome)
+    server.start()
+    return be, drv, pool, server
+
+
+def test_remote_consumer_maps_through_fabric_waits_and_acks_in_gpu_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pool.client import FeatureClient
+
+    be, drv, pool, server = remote_served()
+    fake_consumer_side(monkeypatch, drv)
+    try:
+        assert be.remote is not None
+        t = torch.randn(64, 33)
+        lease = pool.put(t)
+        desc = pool.describe(lease)
+        # The copy, then the host ready word, then the device one, on the same stream.
+        tail = drv.calls[-3:]
+        assert tail[0][0] == "memcpy_dtod_async"
+        assert [c[0] for c in tail[1:]] == ["stream_write_value32"] * 2
+        assert tail[2][1:] == (0x5157, be.remote.word(lease.slot, READY_OFFSET), lease.generation)
+        reads_before = drv.names().count("read_back")
+        pool.reap()  # no remote consumer yet: GPU ack words are not read
+        assert drv.names().count("read_back") == reads_before
+
+        url = f"tcp://127.0.0.1:{server.port}"
+        with FeatureClient.connect(url, token=TOKEN) as client:
+            assert client.remote and client._ctrl is None
+            assert pool.stats()["remote_consumers_attached"] == 1
+            assert pool.stats()["consumers_attached"] == 1
+            assert "import_fd" not in drv.names() and "host_register" not in [
+                c[0] for c in drv.calls[-20:]
+            ]
+            assert drv.names().count("import_fabric") == 3  # two slabs, the control words
+            cons = client._cuda
+            assert cons is not None and cons._control is not None
+            ctl_ptr = cons._control.ptr
+            assert drv.maps[ctl_ptr][1] is False  # control words: read-write, for acks
+            assert sum(1 for _, ro in drv.maps.values() if ro is True) == 2  # slabs: read-only
+
+            out = client.open(desc)
+            wait = drv.calls[-1]
+            assert wait[0] == "stream_wait_value32_geq"
+            assert wait[2:] == (ctl_ptr + lease.slot * 16 + READY_OFFSET, lease.generation)
+            assert torch.equal(out, t)
+            assert client.is_current(desc)  # asked the producer
+
+            client.release(desc)
+            assert drv.calls[-1][0] == "stream_write_value32"
+            assert drv.calls[-1][2] == ctl_ptr + lease.slot * 16 + ACK_OFFSET
+            assert pool.ctrl.ack(lease.slot) != lease.generation  # not in host memory
+            reads = drv.names().count("read_back")
+            assert pool.reap() == 1  # one batched read of the GPU ack words found it
+            assert drv.names().count("read_back") == reads + 1
+            assert pool.stats()["released"] == {"ack": 1}
+            assert pool.stats()["tiers"][0]["used_bytes"] == 0
+            assert not client.is_current(desc)
+
+            # A stale ack (an older generation in the GPU word) does not end the next lease.
+            second = pool.put(t)
+            if second.slot == lease.slot:
+                assert second.generation > lease.generation
+            assert pool.reap() == 0 and pool.get(second.id) is second
+            pool.release(second.id)
+        for _ in range(200):
+            if pool.stats()["remote_consumers_attached"] == 0:
+                break
+            threading.Event().wait(0.01)
+        assert pool.stats()["remote_consumers_attached"] == 0
+        assert pool.stats()["consumers_attached"] == 0
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_remote_hand_off_refuses_a_bad_token_and_a_missing_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pool.client import FeatureClient
+
+    be, drv, pool, server = remote_served()
+    fake_consumer_side(monkeypatch, drv)
+    try:
+        url = f"tcp://127.0.0.1:{server.port}"
+        with pytest.raises(PeerRejected, match="token"):
+            FeatureClient.connect(url, token="wrong")
+        with pytest.raises(ValueError, match="token"):
+            FeatureClient.connect(url)
+        assert pool.stats()["remote_consumers_attached"] == 0
+        assert "import_fabric" not in drv.names()  # nothing was handed out
+        with pytest.raises(HandoffError, match="needs a token"):
+            FabricHandoffServer(pool, "127.0.0.1", 0, token="", welcome=be.remote_welcome)
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_remote_consumers_need_fabric() -> None:
+    be, drv = make(permitted=False)
+    try:
+        with pytest.raises(CudaUnavailable, match=r"other nodes need FABRIC.*IMEX channel"):
+            be.enable_remote(8)
+        assert be.remote is None
+        with pytest.raises(HandoffError, match="not enabled"):
+            be.remote_welcome()
+    finally:
+        be.close()
+    assert_nothing_left(drv)
+
+
+def test_remote_consumer_is_told_to_fetch_host_tier_leases_over_http(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pool.backends.host_shm import HostShmBackend
+    from pool.client import FeatureClient
+
+    be, drv = make(permitted=True)
+    pool = FeaturePool([be, HostShmBackend([8 * MiB])], max_leases=8)
+    be.enable_remote(pool.ctrl.nslots)
+    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN, welcome=be.remote_welcome)
+    server.start()
+    fake_consumer_side(monkeypatch, drv)
+    try:
+        # Larger than a GPU slab (4 MiB): it falls back to the host tier.
+        host_lease = pool.put(torch.ones(5 * MiB // 4))
+        assert host_lease.tier == "host"
+        desc = pool.describe(host_lease)
+        with FeatureClient.connect(f"tcp://127.0.0.1:{server.port}", token=TOKEN) as client:
+            with pytest.raises(PoolError, match=r"host tier.*GET /v1/leases/"):
+                client.open(desc)
+            client.release(desc)  # over the connection: the host block is not mapped here
+            with pytest.raises(LeaseReleased):
+                pool.get(host_lease.id)
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
