@@ -11,7 +11,7 @@ import torch
 from app.settings import Settings
 from pool.backends.base import Backend
 from pool.backends.host_shm import HostShmBackend
-from pool.errors import CudaUnavailable
+from pool.errors import CudaUnavailable, HandoffError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,27 @@ def preflight(settings: Settings) -> torch.device:
     device = resolve_device(settings)
     if settings.transport == "cuda_vmm":
         _vmm_needs_cuda(device)
+    if settings.fabric_listen is not None:
+        _remote_needs(settings, device)
     return device
+
+
+def _remote_needs(settings: Settings, device: torch.device) -> None:
+    """What --fabric-listen (consumers on other nodes) needs, checked before anything starts."""
+    flag = "--fabric-listen (FEATPOOL_FABRIC_LISTEN)"
+    if settings.socket_token is None:
+        raise HandoffError(
+            f"{flag} needs --socket-token (FEATPOOL_SOCKET_TOKEN): the FABRIC handles it hands "
+            f"out map the pool from any node of the NVLink domain"
+        )
+    if settings.transport == "host_shm" or device.type != "cuda":
+        raise CudaUnavailable(
+            f"{flag} serves the GPU pool to other nodes, but this server runs "
+            f"--transport {settings.transport} on {device}; use an NVIDIA GPU with "
+            f"--transport cuda_vmm, or drop {flag}"
+        )
+    if settings.fabric == "off":
+        raise CudaUnavailable(f"{flag} needs FABRIC handles, but --fabric is off")
 
 
 def _vmm_needs_cuda(device: torch.device) -> None:

@@ -23,10 +23,10 @@ from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
-from pool.errors import PoolError
+from pool.errors import CudaUnavailable, PoolError
 from pool.featurepool import FeaturePool
 from pool.leases import Lease
-from pool.server import HandoffServer
+from pool.server import FabricHandoffServer, HandoffServer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Engine:
         self.caps: Capabilities | None = None
         self.pool: FeaturePool | None = None
         self.server: HandoffServer | None = None
+        self.fabric_server: FabricHandoffServer | None = None
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
@@ -70,6 +71,13 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # what started goes down: socket file, pool memory, threads
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
         backends, self.caps = build_backends(s, self.device)
@@ -95,6 +103,7 @@ class Engine:
             extra_welcome=self._welcome_extra,
         )
         self.server.start()
+        self._start_remote()
         encoder = self._encoder
         if encoder is None:
             encoder = await asyncio.to_thread(self._build_encoder)
@@ -143,6 +152,38 @@ class Engine:
             compile=s.encoder_compile,
         )
 
+    def _start_remote(self) -> None:
+        """--fabric-listen: device control words on the GPU tier and the TCP hand-off for
+        consumers on other nodes. Any reason it cannot work stops start-up, naming the flag."""
+        address = self.settings.fabric_address()
+        if address is None or self.pool is None:
+            return
+        token = self.settings.socket_token
+        flag = "--fabric-listen (FEATPOOL_FABRIC_LISTEN)"
+        gpu = next((t.backend for t in self.pool.tiers if hasattr(t.backend, "remote")), None)
+        if token is None:
+            raise PoolError(f"{flag} needs --socket-token (FEATPOOL_SOCKET_TOKEN)")
+        if gpu is None:
+            raise CudaUnavailable(
+                f"{flag} serves the GPU pool, but this server has none "
+                f"(tiers: {[t.name for t in self.pool.tiers]}); see the start-up log"
+            )
+        try:
+            gpu.enable_remote(self.pool.ctrl.nslots)  # type: ignore[attr-defined]
+        except CudaUnavailable as e:
+            raise CudaUnavailable(
+                f"{flag}: {e}. Run where an IMEX channel exists (a DRA ComputeDomain) or drop "
+                f"{flag} for a single node"
+            ) from e
+        self.fabric_server = FabricHandoffServer(
+            self.pool,
+            address[0],
+            address[1],
+            token=token.get_secret_value(),
+            welcome=gpu.remote_welcome,  # type: ignore[attr-defined]
+        )
+        self.fabric_server.start()
+
     def _welcome_extra(self) -> dict[str, Any]:
         """The GPU tier's device identity for consumers; FABRIC handles only when peers must
         also present the socket token (the uid allowlist alone is not enough to hand out
@@ -159,6 +200,8 @@ class Engine:
             await self.batcher.stop()
         if self.server is not None:
             self.server.close()
+        if self.fabric_server is not None:
+            self.fabric_server.close()
         if self.pool is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -69,6 +69,11 @@ class Settings(BaseSettings):
     )
     socket_allowed_gids: list[int] = Field(default_factory=list, description="peer gids allowed")
     socket_token: SecretStr | None = Field(None, description="shared secret consumers must send")
+    fabric_listen: str | None = Field(
+        None,
+        description="HOST:PORT where consumers on other NVLink nodes attach over TCP "
+        "(FABRIC handles; needs --socket-token)",
+    )
 
     # Encoder and batching
     encoder: str = Field("vit-b16-224", description="built-in encoder preset")
@@ -99,6 +104,22 @@ class Settings(BaseSettings):
     # Logs
     log_level: str = Field("INFO", description="logging level")
     log_json: bool = Field(False, description="one JSON object per log line")
+
+    @field_validator("fabric_listen")
+    @classmethod
+    def _check_listen(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("fabric_listen must be HOST:PORT, e.g. 0.0.0.0:7070")
+        return v
+
+    def fabric_address(self) -> tuple[str, int] | None:
+        if self.fabric_listen is None:
+            return None
+        host, _, port = self.fabric_listen.rpartition(":")
+        return host.strip("[]"), int(port)
 
     @field_validator("device")
     @classmethod

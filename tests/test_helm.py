@@ -39,7 +39,14 @@ RELEASE, NAMESPACE = "fp", "ml"
 FULLNAME = "fp-featpool"
 IMAGE = {"image": {"repository": "registry.example.com/featpool"}}
 # Settings the chart derives from other values rather than from `config`.
-CHART_MANAGED_SETTINGS = {"host", "port", "socket_path", "api_key", "socket_token"}
+CHART_MANAGED_SETTINGS = {
+    "host",
+    "port",
+    "socket_path",
+    "api_key",
+    "socket_token",
+    "fabric_listen",
+}
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -346,6 +353,24 @@ def test_fabric_settings_parse_in_the_service(
 ) -> None:
     s = container_settings(render(chart, ci_values("fabric-values.yaml")), monkeypatch)
     assert s.fabric == "require"
+    assert s.fabric_listen == "0.0.0.0:7070" and s.fabric_address() == ("0.0.0.0", 7070)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"fabric": {"listenPort": 7070}}, "needs fabric.enabled=true"),
+        (
+            {"fabric": {"enabled": True, "listenPort": 7070}},
+            "needs auth.socketToken.existingSecret",
+        ),
+    ],
+)
+def test_fabric_listen_port_needs_fabric_and_a_token(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(Exception, match=message):
+        render(chart, merge(IMAGE, values))
 
 
 # ---- the other CI values files --------------------------------------------------------------
@@ -437,7 +462,17 @@ def test_fabric_release(chart: helm.Chart) -> None:
         "Service",
         "ServiceAccount",
     ]
-    assert one(docs, "ConfigMap")["data"]["FEATPOOL_FABRIC"] == "require"
+    data = one(docs, "ConfigMap")["data"]
+    assert data["FEATPOOL_FABRIC"] == "require"
+    assert data["FEATPOOL_FABRIC_LISTEN"] == "0.0.0.0:7070"
+    svc_ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
+    assert svc_ports["fabric"] == {
+        "name": "fabric",
+        "port": 7070,
+        "targetPort": "fabric",
+        "protocol": "TCP",
+    }
+    assert {"name": "fabric", "containerPort": 7070, "protocol": "TCP"} in container(docs)["ports"]
 
     cd = one(docs, "ComputeDomain")
     assert cd["apiVersion"] == "resource.nvidia.com/v1beta1"

@@ -3,6 +3,7 @@ tier tells consumers."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,11 @@ def test_settings_travel_to_front_processes_unchanged(
     [
         (["--transport", "cuda_vmm"], "--transport cuda_vmm"),
         (["--device", "cuda"], "--device cuda"),
+        (["--fabric-listen", "0.0.0.0:7070"], "needs --socket-token"),
+        (
+            ["--fabric-listen", "0.0.0.0:7070", "--socket-token", "t0ken"],
+            "--fabric-listen (FEATPOOL_FABRIC_LISTEN) serves the GPU pool to other nodes",
+        ),
     ],
 )
 def test_cli_refuses_gpu_flags_without_a_gpu_in_one_line(
@@ -201,3 +207,63 @@ def test_cli_refuses_gpu_flags_without_a_gpu_in_one_line(
     assert r.returncode == 1
     assert named in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_fabric_listen_must_be_host_and_port(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    for bad in ("7070", "host:", ":7070", "host:port", "host:70000"):
+        with pytest.raises(ValidationError, match="HOST:PORT"):
+            Settings(fabric_listen=bad, socket_path=tmp_path / "s")
+    s = Settings(fabric_listen="[::1]:7070", socket_path=tmp_path / "s")
+    assert s.fabric_address() == ("::1", 7070)
+
+
+def _fake_gpu_tier(permitted: bool) -> Any:
+    from tests.test_cuda_vmm_fake import make
+
+    be, _ = make(permitted=permitted)
+    return be
+
+
+def test_fabric_listen_without_an_imex_channel_stops_start_up_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    s = Settings(socket_path=tmp_path / "s", fabric_listen="127.0.0.1:0", socket_token="t0ken")
+    eng = Engine(s, Metrics())
+    eng.pool = FeaturePool([_fake_gpu_tier(permitted=False)])
+    try:
+        with pytest.raises(
+            CudaUnavailable, match=r"--fabric-listen .*no IMEX channel.*ComputeDomain"
+        ):
+            eng._start_remote()
+        assert eng.fabric_server is None
+    finally:
+        eng.pool.close()
+
+
+def test_fabric_listen_serves_remote_consumers_with_the_token(tmp_path: Path) -> None:
+    import socket
+
+    from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
+
+    s = Settings(socket_path=tmp_path / "s", fabric_listen="127.0.0.1:0", socket_token="t0ken")
+    eng = Engine(s, Metrics())
+    eng.pool = FeaturePool([_fake_gpu_tier(permitted=True)])
+    try:
+        eng._start_remote()
+        assert eng.fabric_server is not None and eng.fabric_server.port > 0
+        for token, op in (("nope", "error"), ("t0ken", "welcome")):
+            with socket.create_connection(("127.0.0.1", eng.fabric_server.port), 5) as c:
+                send_msg(c, {"op": "hello", "version": PROTOCOL_VERSION, "token": token})
+                msg, fds = recv_msg(c)
+                assert msg["op"] == op and fds == []
+        assert msg["remote"] is True and len(msg["slabs"]) == len(
+            eng.pool.tiers[0].allocator.slab_sizes
+        )
+        assert all(len(base64.b64decode(x["fabric_handle"])) == 64 for x in msg["slabs"])
+        assert msg["control"]["nslots"] == eng.pool.ctrl.nslots
+    finally:
+        assert eng.fabric_server is not None
+        eng.fabric_server.close()
+        eng.pool.close()

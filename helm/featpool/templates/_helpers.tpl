@@ -90,3 +90,16 @@ JSON lists pydantic-settings expects).
 {{- toJson . -}}
 {{- end -}}
 {{- end -}}
+
+{{/* FEATPOOL_FABRIC_LISTEN, or nothing; the checks fail the render with the fix. */}}
+{{- define "featpool.fabricListen" -}}
+{{- with .Values.fabric.listenPort -}}
+{{- if not $.Values.fabric.enabled -}}
+{{- fail "fabric.listenPort serves consumers on other nodes through FABRIC handles: it needs fabric.enabled=true (an IMEX channel)" -}}
+{{- end -}}
+{{- if not $.Values.auth.socketToken.existingSecret -}}
+{{- fail "fabric.listenPort needs auth.socketToken.existingSecret: the FABRIC handles it hands out map the pool from any node of the domain" -}}
+{{- end -}}
+{{- printf "0.0.0.0:%d" (int .) -}}
+{{- end -}}
+{{- end -}}
