@@ -237,7 +237,7 @@ class FeaturePool:
         with self._lock:
             reaped = False
             if len(self.leases) >= self.leases.max_slots:  # acked slots may be waiting
-                self._reap_locked()
+                self._reap_locked(self._remote_acks())
                 reaped = True
             while True:
                 # Why the first tier refused, counted once the tensor lands lower in the chain.
@@ -254,7 +254,7 @@ class FeaturePool:
                     if reason is not None:
                         self.fallbacks[(reason, tier.name)] += 1
                     return lease, tier
-                if not reaped and self._reap_locked():
+                if not reaped and self._reap_locked(self._remote_acks()):
                     # Acks or deadlines freed room since the reaper's last pass: try again
                     # before falling down the chain. (Counted failures above still stand.)
                     reaped = True
@@ -389,18 +389,22 @@ class FeaturePool:
 
     def reap(self) -> int:
         """Release acknowledged leases and expire overdue ones; returns how many ended."""
-        # Acks of consumers on other nodes live in GPU memory: one batched read per tier, made
-        # outside the lock and only while such consumers are attached. An ack read a moment
-        # ago still proves what it proves: it is compared with the slot's generation now.
-        remote = []
+        remote = self._remote_acks()  # read outside the lock
+        with self._lock:
+            return self._reap_locked(remote)
+
+    def _remote_acks(self) -> list[np.ndarray]:
+        """Acks of consumers on other nodes live in GPU memory: one batched read per tier, and
+        only while such consumers are attached. An ack read a moment ago still proves what it
+        proves: the reap compares it with the slot's generation at that time."""
+        remote: list[np.ndarray] = []
         if self.remote_consumers_attached > 0:
             for t in self.tiers:
                 read = getattr(t.backend, "remote_acks", None)
                 acks = read() if read is not None else None
                 if acks is not None:
                     remote.append(acks)
-        with self._lock:
-            return self._reap_locked(remote)
+        return remote
 
     def _reap_locked(self, remote_acks: Sequence[np.ndarray] = ()) -> int:
         slots = self.ctrl.slots

@@ -795,3 +795,26 @@ def test_remote_consumer_is_told_to_fetch_host_tier_leases_over_http(
         server.close()
         pool.close()
     assert_nothing_left(drv)
+
+
+def test_full_slots_are_freed_by_remote_acks_on_put(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every slot taken, put reads the GPU ack words itself (the reaper may not have run)."""
+    from pool.client import FeatureClient
+
+    be, drv, pool, server = remote_served(nslots=2)
+    fake_consumer_side(monkeypatch, drv)
+    try:
+        with FeatureClient.connect(f"tcp://127.0.0.1:{server.port}", token=TOKEN) as client:
+            t = torch.randn(8, 8)
+            descs = [pool.describe(pool.put(t)) for _ in range(2)]
+            for d in descs:
+                client.open(d)
+                client.release(d)
+            third = pool.put(t)  # no reap() in between: put found the acks
+            assert pool.get(third.id) is third
+            assert pool.stats()["released"] == {"ack": 2}
+            pool.release(third.id)
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
