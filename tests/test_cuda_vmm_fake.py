@@ -801,7 +801,7 @@ def test_full_slots_are_freed_by_remote_acks_on_put(monkeypatch: pytest.MonkeyPa
     """With every slot taken, put reads the GPU ack words itself (the reaper may not have run)."""
     from pool.client import FeatureClient
 
-    be, drv, pool, server = remote_served(nslots=2)
+    _, drv, pool, server = remote_served(nslots=2)
     fake_consumer_side(monkeypatch, drv)
     try:
         with FeatureClient.connect(f"tcp://127.0.0.1:{server.port}", token=TOKEN) as client:

@@ -19,6 +19,7 @@ import torch
 from pool.errors import PoolRestarted, StaleLease
 from pool.featurepool import parse_dtype
 from tests.gpu._harness import ROOT, Producer, pattern, subprocess_env
+from tests.helpers import wait_until
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,15 +60,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def gpu_used(p: Producer) -> int:
     return int(p.call("stats")["stats"]["tiers"][0]["used_bytes"])
-
-
-def wait_until(cond: Any, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return bool(cond())
 
 
 def test_integrity_over_many_leases_of_mixed_sizes(sock: Path) -> None:

@@ -21,6 +21,7 @@ from pool.backends.cuda_vmm import CudaVmmBackend, FabricStatus
 from pool.featurepool import FeaturePool, parse_dtype
 from pool.server import FabricHandoffServer
 from tests.gpu._harness import ROOT, pattern, subprocess_env
+from tests.helpers import wait_until
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,15 +93,6 @@ def remote() -> Iterator[Remote]:
     r = Remote()
     yield r
     r.close()
-
-
-def wait_until(cond: Any, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return bool(cond())
 
 
 def test_remote_consumer_reads_many_leases_and_its_gpu_acks_recycle_them(remote: Remote) -> None:
