@@ -84,6 +84,11 @@ class PoolCollector(Collector):
             "Consumer processes attached to the hand-off socket",
             value=s["consumers_attached"],
         )
+        yield GaugeMetricFamily(
+            "featpool_remote_consumers_attached",
+            "Of those, consumers on other nodes (TCP FABRIC hand-off, --fabric-listen)",
+            value=s.get("remote_consumers_attached", 0),
+        )
         created = CounterMetricFamily("featpool_leases_created", "Leases created", labels=["tier"])
         for tier, n in s["created"].items():
             created.add_metric([tier], n)

@@ -253,11 +253,14 @@ def test_fabric_listen_serves_remote_consumers_with_the_token(tmp_path: Path) ->
     try:
         eng._start_remote()
         assert eng.fabric_server is not None and eng.fabric_server.port > 0
+        eng.metrics.watch_pool(eng.pool.stats)
         for token, op in (("nope", "error"), ("t0ken", "welcome")):
             with socket.create_connection(("127.0.0.1", eng.fabric_server.port), 5) as c:
                 send_msg(c, {"op": "hello", "version": PROTOCOL_VERSION, "token": token})
                 msg, fds = recv_msg(c)
                 assert msg["op"] == op and fds == []
+                remote = eng.metrics.registry.get_sample_value("featpool_remote_consumers_attached")
+                assert remote == (1.0 if op == "welcome" else 0.0)
         assert msg["remote"] is True and len(msg["slabs"]) == len(
             eng.pool.tiers[0].allocator.slab_sizes
         )
