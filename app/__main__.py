@@ -16,7 +16,7 @@ from pydantic_settings import CliApp, SettingsConfigDict
 
 from app import logs
 from app.backends import preflight
-from app.front import settings_env
+from app.front import listen_shared, settings_env
 from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings
@@ -44,6 +44,27 @@ def _private_unix_socket(path: Path) -> socket.socket:
         os.umask(old)
     sock.listen(2048)
     return sock
+
+
+def _claim_port(host: str, port: int) -> socket.socket:
+    """Bind the public port for the fronts, which each listen on it too (SO_REUSEPORT, see
+    app.front.listen_shared). Bound here first and held while they run, so that port 0 means
+    one port for all. SO_REUSEPORT would also let a second featpool of this user share a port
+    that is already serving, splitting its traffic: refuse a port where someone listens."""
+    if port:
+        probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host.strip("[]")
+        if probe_host == "::":
+            probe_host = "::1"
+        try:
+            socket.create_connection((probe_host, port), timeout=0.5).close()
+        except OSError:
+            pass
+        else:
+            sys.exit(f"featpool: {host}:{port} is already in use (--port)")
+    try:
+        return listen_shared(host, port)
+    except OSError as e:
+        sys.exit(f"featpool: cannot listen on {host}:{port} (--host, --port): {e}")
 
 
 def _die_with_parent() -> None:
@@ -86,18 +107,25 @@ def main(argv: list[str] | None = None) -> None:
     # A fresh directory each start: the fronts' request metrics, summed by this process.
     front_metrics = Path(tempfile.mkdtemp(prefix="featpool-front-metrics-"))
     app = create_app(settings, front_metrics_dir=front_metrics)
-    front = subprocess.Popen(
-        [sys.executable, "-m", "app.front"],
-        env={
-            **os.environ,
-            **settings_env(settings),
-            "PROMETHEUS_MULTIPROC_DIR": str(front_metrics),
-        },
-        # Before uvicorn starts any thread of ours: safe to fork here.
-        preexec_fn=_die_with_parent,  # noqa: PLW1509
-    )
-    listener = _private_unix_socket(core_http)  # kept referenced: uvicorn gets only its FD
+    holder = _claim_port(settings.host, settings.port)
+    env = {
+        **os.environ,
+        **settings_env(settings),
+        "FEATPOOL_PORT": str(holder.getsockname()[1]),
+        "PROMETHEUS_MULTIPROC_DIR": str(front_metrics),
+    }
+    fronts: list[subprocess.Popen[bytes]] = []
     try:
+        for _ in range(settings.http_workers):
+            fronts.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "app.front"],
+                    env=env,
+                    # Before uvicorn starts any thread of ours: safe to fork here.
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509
+                )
+            )
+        listener = _private_unix_socket(core_http)  # kept referenced: uvicorn gets its FD
         uvicorn.run(
             app,
             fd=listener.fileno(),
@@ -106,11 +134,14 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=10,
         )
     finally:
-        front.terminate()
-        try:
-            front.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            front.kill()
+        holder.close()
+        for front in fronts:
+            front.terminate()
+        for front in fronts:
+            try:
+                front.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                front.kill()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -125,19 +126,38 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def listen_shared(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` that every front binds (SO_REUSEPORT): the kernel
+    spreads new connections over the fronts by a hash of the connection. One socket shared by
+    uvicorn's workers lets whichever process is first to accept take the connection instead:
+    256 keep-alive connections landed 108 / 73 / 39 / 36 on four fronts, and the busiest one
+    set the pace."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host.strip("[]"), port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def main() -> None:
+    """One front: its own listening socket on the shared port, one uvicorn server."""
     settings = Settings()
     logs.setup(settings.log_level, settings.log_json)
-    uvicorn.run(
+    sock = listen_shared(settings.host, settings.port)
+    sock.listen(2048)
+    config = uvicorn.Config(
         "app.front:create_front_app",
         factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.http_workers,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
     )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":
