@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pool.errors import PoolError
 
@@ -34,6 +35,7 @@ STATUS: dict[str, int] = {
     "unsupported_media_type": 415,
     "validation_error": 422,
     "queue_full": 429,
+    "client_disconnected": 499,  # nginx's code: the client hung up before the answer
     "internal_error": 500,
     "invalid_tensor": 500,
     "cuda_error": 500,
@@ -98,6 +100,12 @@ def install(app: FastAPI) -> None:
         resp = error_response(kind, str(e.detail))
         resp.status_code = e.status_code
         return resp
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, __: ClientDisconnect) -> JSONResponse:
+        # The client closed the connection while sending its body: nothing was queued or
+        # leased for it, and nobody reads this answer. Counted as a 4xx, not logged as a bug.
+        return error_response("client_disconnected", "the client closed the connection")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

@@ -65,7 +65,7 @@ async def _client(job: ClientJob) -> dict[str, Any]:
         job.multipart,
     )
     lat: list[float] = []
-    status: dict[int, int] = {}
+    status: dict[int | str, int] = {}
     done_images = 0
     t_start = time.perf_counter()
     t_measure = t_start + job.warmup
@@ -80,21 +80,28 @@ async def _client(job: ClientJob) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 if t0 >= t_end:
                     return
-                if multipart:
-                    files = [
-                        ("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
-                        for k in range(per_request)
-                    ]
-                    r = await http.post(url, files=files)
-                else:
-                    r = await http.post(
-                        url, content=images[i % len(images)], headers={"content-type": "image/jpeg"}
-                    )
+                code: int | str
+                try:
+                    if multipart:
+                        files = [
+                            ("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
+                            for k in range(per_request)
+                        ]
+                        r = await http.post(url, files=files)
+                    else:
+                        r = await http.post(
+                            url,
+                            content=images[i % len(images)],
+                            headers={"content-type": "image/jpeg"},
+                        )
+                    code = r.status_code
+                except httpx.TransportError as e:  # counted and reported, not fatal
+                    code = type(e).__name__
                 t1 = time.perf_counter()
                 i += per_request
                 if t0 >= t_measure and t1 <= t_end:
-                    status[r.status_code] = status.get(r.status_code, 0) + 1
-                    if r.status_code == 200:
+                    status[code] = status.get(code, 0) + 1
+                    if code == 200:
                         lat.append(t1 - t0)
                         done_images += per_request
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -78,7 +79,9 @@ def raw_request(port: int, body_len: int, ctype: str) -> socket.socket:
 # ---- clients that go away ---------------------------------------------------------------------
 
 
-def test_client_disconnecting_mid_upload_leaks_nothing(tmp_path: Path) -> None:
+def test_client_disconnecting_mid_upload_leaks_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with live_server(small_settings(tmp_path)) as live:
         port = int(live.url.rsplit(":", 1)[1])
         body = multipart_head("bNd") + JPEG + b"\r\n--bNd--\r\n"
@@ -117,6 +120,9 @@ def test_client_disconnecting_mid_upload_leaks_nothing(tmp_path: Path) -> None:
         assert live.occupancy() == (0, 0)
         metrics = httpx.get(f"{live.url}/metrics").text
         assert 'featpool_images_total{outcome="encoded"} 1.0' in metrics
+        # A client that hangs up is not a server error: no 5xx counted, no bug logged.
+        assert 'status_class="5xx"' not in metrics
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_requests_cancelled_while_queued_or_encoding_leak_nothing(tmp_path: Path) -> None:
