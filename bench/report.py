@@ -518,7 +518,13 @@ class Section:
             f"{img.get('count', '?')} distinct JPEGs {img.get('size', '?')} "
             f"(mean {fmt(img.get('mean_kb'))} KB); {fmt(cfg.get('warmup'), 1)} s warm-up "
             f"+ {fmt(cfg.get('seconds'), 1)} s measured per point, "
-            f"{cfg.get('client_procs', '?')} client processes (httpx + asyncio). `raw` is one "
+            f"{cfg.get('client_procs', '?')} client processes (httpx + asyncio)"
+            + (
+                f", more where a point needs them for at most {cap} connections each"
+                if (cap := cfg.get("max_conns_per_proc"))
+                else ""
+            )
+            + ". `raw` is one "
             "JPEG per request, `multipart` N images per request; concurrency is requests in "
             "flight. The naive server is the same server with one image per forward, Pillow "
             "decode, no CUDA graphs, run in the same sweep.",
