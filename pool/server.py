@@ -275,6 +275,7 @@ class FabricHandoffServer(HandoffServer):
                 "a FABRIC hand-off over TCP needs a token (--socket-token): a FABRIC handle "
                 "maps the pool's memory from any node of the NVLink domain"
             )
+        # The path is a label here: _listen, _cleanup below never bind or unlink it.
         super().__init__(pool, Path(f"{host}:{port}"), token=token, extra_welcome=welcome)
         self.host, self.port = host, port
 
