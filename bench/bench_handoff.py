@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.multiprocessing
 from appserver import gpu_name
+from pool_copies import time_copies
 
 from pool.allocator import Extent
 from pool.backends.cuda_vmm import CudaVmmBackend
@@ -147,46 +148,22 @@ def publish_host_time(
 
 
 def copy_bandwidth(backend: CudaVmmBackend, pool: FeaturePool, reps: int) -> list[dict[str, Any]]:
+    """20 publishes / copies into pool memory / plain D2D copies back to back, per size."""
     rows = []
-    slot = pool.leases.max_slots - 1
-    gen = 10_000_000
-    for mb in (1, 8, 32, 128):
+    for i, mb in enumerate((1, 8, 32, 128)):
         n = mb * MB
         src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=backend.device)
-        dst = torch.empty_like(src)
-        extent = Extent(1, 0, n)
-        pool_dst = backend.view(extent, torch.uint8, (n,))
-        copies = 20
-        secs: dict[str, list[float]] = {"publish": [], "copy": [], "d2d": []}
-        for _ in range(reps):
-            for which, spent in secs.items():
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(50_000_000)  # the GPU waits while the host enqueues all copies
-                start.record()
-                for _ in range(copies):
-                    if which == "publish":  # copy + ready write, back to back
-                        backend.publish(extent, src, pool.ctrl, slot, gen)
-                        gen += 1
-                    elif which == "copy":  # the same copy into pool memory, no ready write
-                        pool_dst.copy_(src, non_blocking=True)
-                    else:
-                        dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                spent.append(start.elapsed_time(end) / 1e3)
-        tp, tc, td = (statistics.median(secs[k]) for k in ("publish", "copy", "d2d"))
-        rows.append(
-            {
-                "size_mb": mb,
-                "publish_GBps": copies * n / tp / 1e9,
-                "copy_GBps": copies * n / tc / 1e9,
-                "d2d_GBps": copies * n / td / 1e9,
-                "publish_fraction": td / tp,
-                "copy_fraction": td / tc,
-                "ready_write_overhead_us": (tp - tc) / copies * 1e6,
-            }
+        row = time_copies(
+            backend,
+            pool.ctrl,
+            Extent(1, 0, n),
+            src,
+            copies=20,
+            reps=reps,
+            slot=pool.leases.max_slots - 1,  # a slot the pool itself will not reach here
+            gen=10_000_000 + i * 1_000_000,
         )
+        rows.append({"size_mb": mb, **row})
     return rows
 
 
@@ -324,8 +301,8 @@ def main() -> None:
     for r in result["copy"]:
         print(
             f"  {r['size_mb']:7d} {r['publish_GBps']:8.0f} {r['copy_GBps']:8.0f} "
-            f"{r['d2d_GBps']:8.0f} {r['publish_fraction']:12.3f} {r['copy_fraction']:9.3f} "
-            f"{r['ready_write_overhead_us']:15.2f}"
+            f"{r['plain_GBps']:8.0f} {r['publish_fraction']:12.3f} {r['copy_fraction']:9.3f} "
+            f"{r['ready_write_us']:15.2f}"
         )
     print("\nhand-off of a 9.8 MB bf16 feature, producer -> consumer has read it (us)")
     for k, v in hand.items():

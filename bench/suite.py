@@ -546,64 +546,33 @@ def handoff_series(
 
 def bandwidth(rig: Rig, size_mb: float, reps: int) -> dict[str, Any]:
     """GB/s into the pool (publish = copy + ready word; copy alone) and of a plain copy, with
-    back-to-back copies (GPU: queued behind a sleep, timed with CUDA events)."""
+    back-to-back copies (pool_copies.time_copies)."""
     import torch
+    from pool_copies import time_copies
 
     from pool.allocator import Extent
 
     n = max(HIDDEN * 2, round(size_mb * MB / (HIDDEN * 2)) * HIDDEN * 2)
     dev = "cuda" if rig.use_cuda else "cpu"
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
     alloc = rig.pool.tiers[0].allocator
     with rig.pool._lock:
         ext = alloc.allocate(n)
     if ext is None:
         raise RuntimeError(f"no room in the pool for {n} bytes")
     try:
-        extent = Extent(ext.slab, ext.offset, n)
-        pool_dst = rig.backend.view(extent, torch.uint8, (n,))
-        slot = rig.pool.leases.max_slots - 1  # a slot the hand-offs here never reach
-        gen = 1_000_000
-        copies = int(min(20, max(3, 2e9 // n))) if rig.use_cuda else int(min(10, max(2, 2e8 // n)))
-        secs: dict[str, list[float]] = {"publish": [], "copy": [], "plain": []}
-        for rep in range(reps + 1):  # the first is a warm-up (page faults, first launches)
-            for which, spent in secs.items():
-                if rig.use_cuda:
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    torch.cuda._sleep(50_000_000)  # the host enqueues all copies meanwhile
-                    start.record()
-                else:
-                    t0 = time.perf_counter()
-                for _ in range(copies):
-                    if which == "publish":
-                        rig.backend.publish(extent, src, rig.pool.ctrl, slot, gen)
-                        gen += 1
-                    elif which == "copy":
-                        pool_dst.copy_(src, non_blocking=True)
-                    else:
-                        dst.copy_(src, non_blocking=True)
-                if rig.use_cuda:
-                    end.record()
-                    end.synchronize()
-                    took = start.elapsed_time(end) / 1e3
-                else:
-                    took = time.perf_counter() - t0
-                if rep:
-                    spent.append(took)
-        tp, tc, td = (median(secs[k]) for k in ("publish", "copy", "plain"))
-        return {
-            "nbytes": n,
-            "copies": copies,
-            "publish_GBps": copies * n / tp / 1e9,
-            "copy_GBps": copies * n / tc / 1e9,
-            "plain_GBps": copies * n / td / 1e9,
-            "publish_fraction": td / tp,
-            "copy_fraction": td / tc,
-            "publish_us_per_lease": tp / copies * 1e6,
-            "plain_us_per_copy": td / copies * 1e6,
-        }
+        return time_copies(
+            rig.backend,
+            rig.pool.ctrl,
+            Extent(ext.slab, ext.offset, n),
+            src,
+            copies=int(min(20, max(3, 2e9 // n)))
+            if rig.use_cuda
+            else int(min(10, max(2, 2e8 // n))),
+            reps=reps,
+            slot=rig.pool.leases.max_slots - 1,  # a slot the hand-offs here never reach
+            gen=1_000_000,
+        )
     finally:
         with rig.pool._lock:
             alloc.free(ext)
