@@ -8,7 +8,8 @@ words, or one batched read on a side stream: measure and choose").
     cuStreamWriteValue32 and the producer reads them with a numpy scan. No GPU work to read.
 (b) device words + one batched read: the ack words live in device memory; the producer reads
     all of them with one D2H copy on a side stream into pinned memory, waits for that copy's
-    event (not the device), then scans the copy.
+    event (not the device), then scans the copy. This is the pool's own DeviceControl, which
+    the GPU tier keeps for consumers on other nodes (--fabric-listen).
 
 For 1k, 4k and 16k slots: host time of one scan, idle and with the GPU busy copying features on
 another stream, and the time from a GPU ack write to the producer seeing it. Both in one
@@ -19,6 +20,7 @@ Writes OUT_DIR/acks.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,10 +35,9 @@ import torch
 from appserver import gpu_name
 
 from pool.backends.cuda_vmm import TorchCuda, register_control
+from pool.backends.device_control import DeviceControl
 from pool.control import ACK_OFFSET, HEADER_SIZE, SLOT_STRIDE, ControlBlock
-from pool.driver import Driver
-
-WORDS = SLOT_STRIDE // 4  # u32 words per slot record: gen, ready, ack, reserved
+from pool.driver import Driver, HandleType
 
 
 def acked(slots: np.ndarray) -> np.ndarray:
@@ -49,31 +50,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-class DeviceWords:
-    """Variant (b): slot records in device memory, read back by one copy on a side stream."""
-
-    def __init__(self, ctrl: ControlBlock) -> None:
-        self.dev = torch.zeros(ctrl.nslots * WORDS, dtype=torch.int32, device="cuda")
-        self.dev.view(-1, WORDS)[:, 0] = torch.from_numpy(ctrl.slots["gen"].astype(np.int32))
-        self.host = torch.empty_like(self.dev, device="cpu").pin_memory()
-        self.side = torch.cuda.Stream()
-        self.done = torch.cuda.Event()
-        self.slots = self.host.numpy().view(ctrl.slots.dtype)
-
-    def ack_address(self, slot: int) -> int:
-        return self.dev.data_ptr() + slot * SLOT_STRIDE + ACK_OFFSET
-
-    def scan(self) -> np.ndarray:
-        with torch.cuda.stream(self.side):
-            self.host.copy_(self.dev, non_blocking=True)
-            self.done.record(self.side)
-        self.done.synchronize()
-        return acked(self.slots)
-
-    def read_ack(self, slot: int) -> int:
-        """One batched read, then the slot's ack word from it (what a poller would see)."""
-        self.scan()
-        return int(self.slots["ack"][slot])
+def remote_acked(remote: DeviceControl, ctrl: ControlBlock) -> np.ndarray:
+    """The reaper's pass over remote acks: one batched read of the device words
+    (DeviceControl.read_slots), compared with the host block's generations."""
+    gen = ctrl.slots["gen"]
+    return np.flatnonzero((remote.read_slots()["ack"] == gen) & (gen != 0))
 
 
 def time_us(fn: Any, n: int) -> dict[str, float]:
@@ -103,20 +84,30 @@ def measure(nslots: int, driver: Driver, rt: TorchCuda, scans: int) -> dict[str,
     ctrl = ControlBlock.create(nslots)
     ctrl.slots["gen"][:] = np.arange(1, nslots + 1)  # every slot live, none acked
     dptr = register_control(driver, ctrl)
-    dev = DeviceWords(ctrl)
+    remote = DeviceControl(  # what the GPU tier keeps for consumers on other nodes
+        driver,
+        rt,
+        0,
+        granularity=driver.granularity(0, HandleType.POSIX_FD),
+        nslots=nslots,
+        handle_types=HandleType.POSIX_FD,
+    )
     stream = rt.current_stream()
     slot = nslots // 2
     try:
         row: dict[str, Any] = {"slots": nslots}
         row["host_mapped_scan_us"] = time_us(lambda: acked(ctrl.slots), scans)
-        row["side_stream_scan_us"] = time_us(dev.scan, scans)
+        remote_scan = functools.partial(remote_acked, remote, ctrl)
+        row["side_stream_scan_us"] = time_us(remote_scan, scans)
         # The same scans while the producer's stream copies 128 MB features back to back.
         src = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         for _ in range(1000):  # ~60 ms of copies queued ahead of both measurements
             dst.copy_(src, non_blocking=True)
         row["host_mapped_scan_busy_us"] = time_us(lambda: acked(ctrl.slots), scans)
-        row["side_stream_scan_busy_us"] = time_us(dev.scan, min(scans, 200))
+        row["side_stream_scan_busy_us"] = time_us(
+            lambda: remote_acked(remote, ctrl), min(scans, 200)
+        )
         row["gpu_still_busy_after_busy_scans"] = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
         # Visibility: a consumer-style ack write on an idle stream, then poll.
@@ -128,13 +119,14 @@ def measure(nslots: int, driver: Driver, rt: TorchCuda, scans: int) -> dict[str,
             200,
         )
         row["side_stream_visible_us"] = visibility_us(
-            lambda g: driver.stream_write_value32(stream, dev.ack_address(slot), g),
-            lambda g: dev.read_ack(slot) == g,
+            lambda g: driver.stream_write_value32(stream, remote.word(slot, ACK_OFFSET), g),
+            lambda g: int(remote.read_slots()["ack"][slot]) == g,
             200,
         )
         return row
     finally:
         torch.cuda.synchronize()
+        remote.close()
         driver.host_unregister(ctrl.address)
         ctrl.close()
 
