@@ -552,11 +552,10 @@ class CudaConsumer:
         wait on their ready words and write acks into them."""
         if self.ctrl is not None or self._control is not None:
             raise HandoffError("this consumer already has control words")
+        if nslots * SLOT_STRIDE > size:
+            raise HandoffError(f"{nslots} slots do not fit device control words of {size} bytes")
         slab = self._map(self._import_fabric(handle_b64), size, read_only=False)
         self.slabs.discard(slab)  # closed last, after the slabs' reads (see close)
-        if nslots * SLOT_STRIDE > size:
-            slab.close()
-            raise HandoffError(f"{nslots} slots do not fit device control words of {size} bytes")
         self._control, self._words, self._nslots = slab, slab.ptr, nslots
 
     def _import_fabric(self, handle_b64: str | bytes) -> Any:
