@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pool.protocol import parse_host_port
+
 MiB = 1 << 20
 
 
@@ -108,18 +110,12 @@ class Settings(BaseSettings):
     @field_validator("fabric_listen")
     @classmethod
     def _check_listen(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError("fabric_listen must be HOST:PORT, e.g. 0.0.0.0:7070")
+        if v is not None:
+            parse_host_port(v)  # ValueError says what is expected
         return v
 
     def fabric_address(self) -> tuple[str, int] | None:
-        if self.fabric_listen is None:
-            return None
-        host, _, port = self.fabric_listen.rpartition(":")
-        return host.strip("[]"), int(port)
+        return None if self.fabric_listen is None else parse_host_port(self.fabric_listen)
 
     @field_validator("device")
     @classmethod

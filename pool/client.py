@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -47,7 +46,7 @@ from pool.errors import (
     StaleLease,
 )
 from pool.featurepool import INLINE, epoch_hex, parse_dtype
-from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
+from pool.protocol import PROTOCOL_VERSION, parse_host_port, recv_msg, send_msg
 
 LeaseRef = str | Mapping[str, Any]
 _DESCRIPTOR_KEYS = ("epoch", "generation", "lease_id", "slot", "tier")  # what open/release use
@@ -94,10 +93,8 @@ class FeatureClient:
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        where = str(socket_path)
-        self.remote = where.startswith("tcp://")  # a consumer on another node
-        self.socket_path = Path(socket_path) if not self.remote else Path()
-        self.address = where
+        self.address = str(socket_path)  # a Unix socket path, or tcp://HOST:PORT
+        self.remote = self.address.startswith("tcp://")  # a consumer on another node
         if self.remote and not token:
             raise ValueError("a tcp:// hand-off needs the producer's token (token=...)")
         self.token = token
@@ -133,15 +130,13 @@ class FeatureClient:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout_s)
             try:
-                sock.connect(str(self.socket_path))
+                sock.connect(self.address)
             except BaseException:
                 sock.close()
                 raise
             return sock
-        host, sep, port = self.address.removeprefix("tcp://").rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected tcp://HOST:PORT, got {self.address!r}")
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        address = parse_host_port(self.address.removeprefix("tcp://"))
+        sock = socket.create_connection(address, timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 

@@ -21,6 +21,14 @@ MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
 _LEN = struct.Struct(">I")
 
 
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:7070``) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, e.g. 0.0.0.0:7070, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
 def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
     body = json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME:
