@@ -250,7 +250,7 @@ def main() -> None:
     pool = FeaturePool([backend], max_leases=1024, policy="reject")
     pool.start_reaper(0.005)
     sock = str(Path(tempfile.mkdtemp()) / "bench.sock")
-    server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
+    server = HandoffServer(pool, sock)
     server.start()
     base = torch.randn(FEATURE_SHAPE, device="cuda", dtype=torch.bfloat16)
 

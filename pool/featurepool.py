@@ -10,6 +10,7 @@ Every step down the chain is counted by reason.
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -24,8 +25,16 @@ import torch
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
-from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
+from pool.errors import (
+    HandoffError,
+    InvalidTensor,
+    PoolError,
+    PoolExhausted,
+    StaleLease,
+    TensorTooLarge,
+)
 from pool.leases import Lease, LeaseState, LeaseTable
+from pool.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +112,9 @@ class FeaturePool:
         self.expired: Counter[str] = Counter()  # by tier
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
         self.alloc_failures: Counter[str] = Counter()  # by tier
-        self.consumers_attached = 0  # kept by the hand-off server
-        self.remote_consumers_attached = 0  # of those, on other nodes (kept by the TCP server)
+        self.consumers_attached = 0  # kept by the hand-off servers (note_consumer)
+        self.remote_consumers_attached = 0  # of those, on other nodes (the TCP server)
+        self.handoff_refused: Counter[tuple[str, str]] = Counter()  # by (server, reason)
 
     @property
     def epoch(self) -> int:
@@ -385,6 +395,72 @@ class FeaturePool:
             "ttl_s": lease.ttl_s,
         }
 
+    # ---- the hand-off ----------------------------------------------------------------------
+
+    def welcome(
+        self, *, remote: bool = False, fabric_handles: bool = False
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The hand-off's ``welcome`` message (docs/protocol.md, sections 2 and 7) and the FDs
+        that travel with it: the control block's, then one per entry of ``slabs``, in order.
+        The only place it is built. The FDs stay the pool's: a server sends them (the kernel
+        gives the peer its own copies) and never closes them.
+
+        ``remote``: for a consumer on another node: FABRIC handles of the GPU tier's slabs and
+        device control words, no FDs. ``fabric_handles``: the local welcome also lists the GPU
+        slabs' FABRIC handles; only for peers that proved the socket token (a uid means nothing
+        on other nodes, and a handle maps the memory from any of them).
+        """
+        msg: dict[str, Any] = {
+            "op": "welcome",
+            "version": PROTOCOL_VERSION,
+            "epoch": epoch_hex(self.epoch),
+        }
+        gpu = next((t.backend for t in self.tiers if hasattr(t.backend, "device_info")), None)
+        if remote:
+            if gpu is None:
+                raise HandoffError("consumers on other nodes need a GPU tier; this pool has none")
+            control = gpu.remote_control()  # type: ignore[attr-defined]  # raises if not enabled
+            handles = gpu.fabric_handles()  # type: ignore[attr-defined]
+            msg["remote"] = True
+            msg["cuda"] = gpu.device_info()
+            msg["slabs"] = [
+                {
+                    "tier": gpu.tier,
+                    "transport": gpu.transport,
+                    "index": i,
+                    "size": size,
+                    "fabric_handle": base64.b64encode(h).decode(),
+                }
+                for i, (h, size) in enumerate(zip(handles, gpu.slab_sizes, strict=True))
+            ]
+            msg["control"] = control
+            return msg, []
+        slabs: list[dict[str, Any]] = []
+        fds = [self.ctrl.fd]
+        for tier in self.tiers:
+            b = tier.backend
+            for i, (fd, size) in enumerate(zip(b.slab_fds(), b.slab_sizes, strict=True)):
+                slabs.append({"tier": b.tier, "transport": b.transport, "index": i, "size": size})
+                fds.append(fd)
+        msg["nslots"] = self.ctrl.nslots
+        msg["control_size"] = self.ctrl.size
+        msg["slabs"] = slabs
+        if gpu is not None:
+            msg["cuda"] = gpu.device_info(fabric_handles=fabric_handles)
+        return msg, fds
+
+    def note_consumer(self, delta: int, *, remote: bool = False) -> None:
+        """A hand-off server attached (+1) or lost (-1) a consumer."""
+        with self._lock:
+            self.consumers_attached += delta
+            if remote:
+                self.remote_consumers_attached += delta
+
+    def note_refused(self, server: str, reason: str) -> None:
+        """A hand-off server turned a connection away (``server``: unix or tcp)."""
+        with self._lock:
+            self.handoff_refused[(server, reason)] += 1
+
     # ---- reaping ---------------------------------------------------------------------------
 
     def reap(self) -> int:
@@ -487,6 +563,7 @@ class FeaturePool:
                 "alloc_failures": dict(self.alloc_failures),
                 "consumers_attached": self.consumers_attached,
                 "remote_consumers_attached": self.remote_consumers_attached,
+                "handoff_refused": _nested(self.handoff_refused),
             }
 
     def close(self) -> None:
@@ -499,3 +576,11 @@ class FeaturePool:
         for t in self.tiers:
             t.backend.close()
         self.ctrl.close()
+
+
+def _nested(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """{(a, b): n} -> {a: {b: n}}: JSON has no tuple keys (``GET /v1/pool`` serves stats)."""
+    out: dict[str, dict[str, int]] = {}
+    for (a, b), n in sorted(counts.items()):
+        out.setdefault(a, {})[b] = n
+    return out
