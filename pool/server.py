@@ -166,7 +166,7 @@ class HandoffServer:
             sock.bind(str(self.path))
             self._bound = True
             os.chmod(self.path, 0o660)
-            sock.listen(128)
+            sock.listen(socket.SOMAXCONN)  # a flood of connects must not fill the backlog
         except BaseException:
             sock.close()
             self._cleanup()
@@ -585,7 +585,7 @@ class FabricHandoffServer(HandoffServer):
         self.host, self.port = host, port
 
     def _listen(self) -> socket.socket:
-        sock = socket.create_server((self.host, self.port), backlog=128)
+        sock = socket.create_server((self.host, self.port), backlog=socket.SOMAXCONN)
         self.port = sock.getsockname()[1]  # the port given may be 0 (any free port)
         log.info(
             "FABRIC hand-off listening on %s:%d (token required, auth timeout %g s, at most %d "
