@@ -25,7 +25,14 @@ from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
 from pool.errors import HandoffError
 from pool.featurepool import FeaturePool
-from pool.protocol import MAX_FRAME, MAX_HELLO_FRAME, PROTOCOL_VERSION, recv_msg, send_msg
+from pool.protocol import (
+    MAX_FRAME,
+    MAX_HELLO_FRAME,
+    PROTOCOL_VERSION,
+    encode_frame,
+    recv_msg,
+    send_msg,
+)
 from pool.server import FabricHandoffServer, HandoffServer, Limits
 from tests.helpers import wait_until
 from tests.test_cuda_vmm_fake import FakeDriver, assert_nothing_left, make
@@ -310,6 +317,30 @@ def test_descriptors_a_peer_sends_are_closed_by_the_server(
         if w >= 0:
             os.close(w)
         c.close()
+
+
+def test_a_peer_that_does_not_read_its_answers_gets_no_more_read(
+    serve: Callable[[str, Limits], Served],
+) -> None:
+    """100 pipelined requests with ~60 KB answers each, none read for a while: the server holds
+    one pending answer and stops reading the connection (the sender blocks), instead of
+    buffering 6 MB of requests and answers; then every answer arrives, in order."""
+    s = serve("unix", Limits())
+    c = s.attach()
+    ids = [f"{i:04d}" + "x" * 60_000 for i in range(100)]
+    data = b"".join(encode_frame({"op": "lookup", "lease_id": i}) for i in ids)
+    sender = threading.Thread(target=c.sendall, args=(data,), daemon=True)
+    sender.start()
+    time.sleep(1.0)
+    assert sender.is_alive(), "the server read every request while its answers piled up"
+    (conn,) = s.server._conns
+    assert len(conn.out) < 61_000 and len(conn.inbuf) < 2 * 65536
+    for i in ids:
+        reply, _ = recv_msg(c)
+        assert reply["type"] == "lease_not_found" and i in reply["message"]
+    sender.join(10)
+    assert not sender.is_alive()
+    c.close()
 
 
 def test_refused_peers_are_counted_and_take_no_connection_slot(tmp_path: Path) -> None:
