@@ -92,6 +92,7 @@ class _Conn:
         self.peer = peer  # who it is, as the kernel or the network says: for logs and attach
         self.deadline = deadline  # of authentication
         self.attached = False
+        self.consumer: Any = None  # what attaching gave this connection, for detaching it
         self.open = True
         self.events = 0  # what the selector watches for
         self.inbuf = bytearray()
