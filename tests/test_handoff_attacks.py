@@ -167,7 +167,7 @@ def test_a_connection_that_never_authenticates_is_closed_after_the_timeout(
     # the connection, not from the last byte, so trickling does not keep it open.
     slow.sendall(struct.pack(">I", 200))
     closed = False
-    while time.monotonic() - t0 < 5 and not closed:
+    while time.monotonic() - t0 < 8 and not closed:
         try:
             slow.send(b" ")
         except OSError:
@@ -175,7 +175,7 @@ def test_a_connection_that_never_authenticates_is_closed_after_the_timeout(
         closed = bool(select.select([slow], [], [], 0.05)[0])
     assert closed, "the trickling connection was not closed"
     assert read_refusal(silent)["type"] == "auth_timeout"
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 8  # 0.3 s and scheduling; without the deadline: never
     assert s.refused("auth_timeout") == 2
     assert s.welcomes == []
     sample = metrics.registry.get_sample_value(
@@ -367,11 +367,14 @@ def test_the_server_lives_through_its_connections_and_a_lease_round_trip(
     serve: Callable[[str, Limits], Served],
 ) -> None:
     """After all of the above kinds of abuse on one server, a real consumer still works."""
-    s = serve("unix", Limits(auth_timeout_s=0.2, max_connections=8))
+    s = serve("unix", Limits(auth_timeout_s=1.0, max_connections=32))
     junk = [s.connect() for _ in range(20)]
-    junk[0].sendall(struct.pack(">I", MAX_FRAME))
-    junk[1].sendall(b"\x00\x00\x00\x05hello")
-    assert wait_until(lambda: s.server.connections == 0, 5)
+    junk[0].sendall(struct.pack(">I", MAX_FRAME))  # refused at once
+    junk[1].sendall(b"\x00\x00\x00\x05hello")  # not JSON: refused at once
+    junk[2].sendall(b"\x00\x00")  # half a header: closed at the deadline, like the silent ones
+    assert wait_until(lambda: s.server.connections == 0, 10)
+    assert s.refused("hello_too_large") == 1 and s.refused("bad_hello") == 1
+    assert s.refused("auth_timeout") == 18
     lease = s.pool.put(torch.arange(6.0))
     with FeatureClient.connect(s.server.path) as client:
         assert torch.equal(client.open(s.pool.describe(lease)), torch.arange(6.0))
