@@ -233,7 +233,10 @@ def test_connections_beyond_the_cap_are_refused_and_counted(
     consumers = [s.attach() for _ in range(3)]
     try:
         extra = s.connect()
-        send_msg(extra, s.hello)  # a valid hello changes nothing: there is no room
+        try:
+            send_msg(extra, s.hello)  # a valid hello changes nothing: there is no room
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed already; the answer waits to be read
         refusal = read_refusal(extra)
         extra.close()
         assert refusal["type"] == "too_many_connections"
@@ -372,9 +375,9 @@ def test_the_server_lives_through_its_connections_and_a_lease_round_trip(
     junk[0].sendall(struct.pack(">I", MAX_FRAME))  # refused at once
     junk[1].sendall(b"\x00\x00\x00\x05hello")  # not JSON: refused at once
     junk[2].sendall(b"\x00\x00")  # half a header: closed at the deadline, like the silent ones
-    assert wait_until(lambda: s.server.connections == 0, 10)
-    assert s.refused("hello_too_large") == 1 and s.refused("bad_hello") == 1
-    assert s.refused("auth_timeout") == 18
+    refusals = {"hello_too_large": 1, "bad_hello": 1, "auth_timeout": 18}
+    assert wait_until(lambda: s.pool.stats()["handoff_refused"] == {"unix": refusals}, 10)
+    assert s.server.connections == 0
     lease = s.pool.put(torch.arange(6.0))
     with FeatureClient.connect(s.server.path) as client:
         assert torch.equal(client.open(s.pool.describe(lease)), torch.arange(6.0))
