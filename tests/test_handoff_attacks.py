@@ -346,6 +346,75 @@ def test_a_peer_that_does_not_read_its_answers_gets_no_more_read(
     c.close()
 
 
+SERVER_WITH_FEW_FDS = """
+import json, os, resource, sys
+from pool.backends.host_shm import HostShmBackend
+from pool.featurepool import FeaturePool
+from pool.server import HandoffServer, Limits
+pool = FeaturePool([HostShmBackend([1 << 20])])
+server = HandoffServer(pool, sys.argv[1], limits=Limits(auth_timeout_s=0.5))
+server.start()
+fds = len(os.listdir("/proc/self/fd"))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (fds + 16, hard))
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps(pool.stats()["handoff_refused"]), flush=True)
+server.close()
+"""
+
+
+def test_a_server_out_of_descriptors_pauses_accepting_and_recovers(tmp_path: Path) -> None:
+    """A connection flood past the process's FD limit: accept fails with EMFILE. The server
+    counts it, pauses accepting instead of spinning or dying, and serves again once the silent
+    connections have timed out."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    path = tmp_path / "s.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_WITH_FEW_FDS, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    silent: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        for _ in range(40):  # more than the 16 FDs the server has left; they wait in the backlog
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.settimeout(10)
+            c.connect(str(path))
+            silent.append(c)
+        time.sleep(0.2)
+        cpu = proc_cpu_seconds(proc.pid)
+        time.sleep(0.5)
+        assert proc_cpu_seconds(proc.pid) - cpu < 0.1, "the server spins on EMFILE"
+        # The silent ones time out (0.5 s) and free FDs; the backlog drains; a consumer attaches.
+        for c in silent:
+            assert read_refusal(c)["type"] == "auth_timeout"
+        with FeatureClient.connect(path) as client:
+            assert client.epoch
+        proc.stdin.write("stats\n")
+        proc.stdin.flush()
+        refused = json.loads(proc.stdout.readline())["unix"]
+        assert refused["fd_limit"] >= 1 and refused["auth_timeout"] == 40
+    finally:
+        for c in silent:
+            c.close()
+        proc.kill()
+        proc.wait(10)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def test_refused_peers_are_counted_and_take_no_connection_slot(tmp_path: Path) -> None:
     """uid/gid checked at accept: a refused peer never occupies a slot, and is counted."""
     pool = FeaturePool([HostShmBackend([MiB])])
