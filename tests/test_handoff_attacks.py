@@ -453,3 +453,17 @@ def test_the_server_lives_through_its_connections_and_a_lease_round_trip(
         client.release(lease.id)
     for c in junk:
         c.close()
+
+
+def test_security_md_names_only_tests_that_exist() -> None:
+    """Each test docs/security.md cites for the hand-off servers is one of this module's."""
+    import re
+
+    from tests.helpers import ROOT
+
+    doc = (ROOT / "docs" / "security.md").read_text()
+    section = doc.split("## The hand-off servers as an attack surface")[1].split("\n## ")[0]
+    cited = set(re.findall(r"`::(test_\w+)", section))
+    assert len(cited) >= 9
+    missing = {name for name in cited if name not in globals()}
+    assert missing == set()
