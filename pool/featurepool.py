@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -403,8 +404,8 @@ class FeaturePool:
     ) -> tuple[dict[str, Any], list[int]]:
         """The hand-off's ``welcome`` message (docs/protocol.md, sections 2 and 7) and the FDs
         that travel with it: the control block's, then one per entry of ``slabs``, in order.
-        The only place it is built. The FDs stay the pool's: a server sends them (the kernel
-        gives the peer its own copies) and never closes them.
+        The only place it is built. The caller owns the FDs (copies of the pool's): send them,
+        then close each exactly once, sent or not.
 
         ``remote``: for a consumer on another node: FABRIC handles of the GPU tier's slabs and
         device control words, no FDs. ``fabric_handles``: the local welcome also lists the GPU
@@ -437,12 +438,20 @@ class FeaturePool:
             msg["control"] = control
             return msg, []
         slabs: list[dict[str, Any]] = []
-        fds = [self.ctrl.fd]
-        for tier in self.tiers:
-            b = tier.backend
-            for i, (fd, size) in enumerate(zip(b.slab_fds(), b.slab_sizes, strict=True)):
-                slabs.append({"tier": b.tier, "transport": b.transport, "index": i, "size": size})
-                fds.append(fd)
+        fds: list[int] = []
+        try:
+            fds.append(os.dup(self.ctrl.fd))
+            for tier in self.tiers:
+                b = tier.backend
+                for i, (fd, size) in enumerate(zip(b.slab_fds(), b.slab_sizes, strict=True)):
+                    slabs.append(
+                        {"tier": b.tier, "transport": b.transport, "index": i, "size": size}
+                    )
+                    fds.append(os.dup(fd))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         msg["nslots"] = self.ctrl.nslots
         msg["control_size"] = self.ctrl.size
         msg["slabs"] = slabs

@@ -97,7 +97,7 @@ class _Conn:
         self.events = 0  # what the selector watches for
         self.inbuf = bytearray()
         self.out = b""  # the rest of the reply being sent
-        self.out_fds: list[int] = []  # FDs that go with the first byte of ``out`` (the pool's)
+        self.out_fds: list[int] = []  # ours, to send with the first byte of ``out``, then close
 
     def __str__(self) -> str:
         described = " ".join(f"{k} {v}" for k, v in self.peer.items() if k != "transport")
@@ -499,8 +499,15 @@ class HandoffServer:
     # ---- writing ---------------------------------------------------------------------------
 
     def _send(self, c: _Conn, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-        c.out = encode_frame(msg)
+        """Send ``msg`` (and ``fds``, which the server owns from here: each is closed once, after
+        the kernel has copied it to the peer, or when the connection ends before that)."""
         c.out_fds = list(fds or ())
+        try:
+            c.out = encode_frame(msg)
+        except BaseException:
+            _close_all(c.out_fds)
+            c.out_fds = []
+            raise
         self._flush(c)
 
     def _flush(self, c: _Conn) -> None:
@@ -508,7 +515,8 @@ class HandoffServer:
             if c.out_fds:  # with the first byte of the frame, as the protocol says
                 rights = array.array("i", c.out_fds)
                 sent = c.sock.sendmsg([c.out], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
-                c.out_fds = []
+                fds, c.out_fds = c.out_fds, []
+                _close_all(fds)  # the peer has its copies
             else:
                 sent = c.sock.send(c.out)
         except (BlockingIOError, InterruptedError):
@@ -557,6 +565,8 @@ class HandoffServer:
         if c.events and self._sel is not None:
             self._sel.unregister(c.sock)
         c.events = 0
+        fds, c.out_fds = c.out_fds, []
+        _close_all(fds)  # a welcome that never went out
         if c.attached:
             c.attached = False
             self._detach(c)
@@ -612,6 +622,14 @@ class FabricHandoffServer(HandoffServer):
         return welcome, fds
 
 
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _close_received_fds(ancdata: list[tuple[int, int, bytes]]) -> None:
     """Close every FD that arrived as SCM_RIGHTS: consumers send none, and an FD the server
     kept would be a leak a peer controls. (The kernel already dropped any that did not fit.)"""
@@ -619,11 +637,7 @@ def _close_received_fds(ancdata: list[tuple[int, int, bytes]]) -> None:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds = array.array("i")
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close_all(fds)
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:

@@ -346,6 +346,32 @@ def test_a_peer_that_does_not_read_its_answers_gets_no_more_read(
     c.close()
 
 
+def test_the_welcome_fds_are_closed_once_on_every_path(
+    serve: Callable[[str, Limits], Served],
+) -> None:
+    """The server owns the FDs of each welcome: after consumers that attach and leave, peers
+    that say hello and hang up before reading the answer, and refused peers, the process holds
+    no more FDs than before."""
+    s = serve("unix", Limits(auth_timeout_s=0.2))
+    s.attach().close()
+    assert wait_until(lambda: s.pool.stats()["consumers_attached"] == 0, 5)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(30):
+        s.attach().close()
+        c = s.connect()
+        send_msg(c, s.hello)
+        c.close()  # gone before the welcome is read, or even sent
+        c = s.connect()
+        c.sendall(struct.pack(">I", MAX_FRAME))
+        c.close()
+    assert wait_until(lambda: s.server.connections == 0, 10)
+    assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, 5), (
+        len(os.listdir("/proc/self/fd")),
+        before,
+    )
+    assert s.pool.stats()["consumers_attached"] == 0
+
+
 SERVER_WITH_FEW_FDS = """
 import json, os, resource, sys
 from pool.backends.host_shm import HostShmBackend
