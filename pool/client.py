@@ -264,7 +264,9 @@ class FeatureClient:
             self._cuda.wait_ready(slot, gen)
         return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
 
-    def _mark_opened(self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int) -> None:
+    def _mark_opened(
+        self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int
+    ) -> None:
         """Write our ``opened`` word, then (after a full fence) check the lease is still in
         its slot: the producer clears ``gen`` before it reads ``opened`` marks, so either it
         sees ours and keeps the memory, or we see its clear and do not read."""
@@ -413,4 +415,3 @@ def _raise_if_error(msg: dict[str, Any]) -> None:
     if msg.get("op") == "error":
         cls = _ERRORS.get(str(msg.get("type")), HandoffError)
         raise cls(str(msg.get("message", "error")))
-

@@ -372,10 +372,10 @@ class FeaturePool:
         ended on the spot (the reaper may not have run yet) and raises LeaseReleased or
         LeaseExpired."""
         lease = self.leases.get(lease_id)
-        if lease.state is LeaseState.READY and lease.extent is not None:
-            if self._acked(np.array([lease.slot]))[0]:
-                self._end(lease, reason="ack")
-                self.leases.get(lease_id)  # raises LeaseReleased
+        ready = lease.state is LeaseState.READY and lease.extent is not None
+        if ready and self._acked(np.array([lease.slot]))[0]:
+            self._end(lease, reason="ack")
+            self.leases.get(lease_id)  # raises LeaseReleased
         if lease.deadline <= self.clock():
             self._end_many([lease], LeaseState.EXPIRED)
             self.leases.get(lease_id)  # raises LeaseExpired
@@ -454,9 +454,7 @@ class FeaturePool:
         self._release_held()
         return ended
 
-    def _acked(
-        self, idx: np.ndarray | slice, remote_acks: Sequence[np.ndarray] = ()
-    ) -> np.ndarray:
+    def _acked(self, idx: np.ndarray | slice, remote_acks: Sequence[np.ndarray] = ()) -> np.ndarray:
         """For the slots ``idx``: is the live lease there done? True when some ack word (the
         producer's own, a remote consumer's, or an attached consumer's) holds its generation
         and no attached consumer that marked it opened has yet acked it. Vectorised: one numpy
@@ -500,8 +498,8 @@ class FeaturePool:
         full_fence()
         keep = self._openers(slots, gens).tolist() if self._consumers else [False] * len(leases)
         now = self.clock()
-        for lease, held in zip(leases, keep, strict=True):
-            held = held and lease.extent is not None
+        for lease, opened in zip(leases, keep, strict=True):
+            held = opened and lease.extent is not None
             self.leases.end(lease, state, keep_slot=held)
             if held:
                 self._held[lease.slot] = lease

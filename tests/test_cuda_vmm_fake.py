@@ -17,7 +17,6 @@ import weakref
 from typing import Any
 
 import numpy as np
-
 import pytest
 import torch
 from hypothesis import given

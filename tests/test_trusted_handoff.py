@@ -8,6 +8,7 @@ after its mapping is gone) runs in a child process.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -25,7 +26,7 @@ import torch
 from pool import control, featurepool
 from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
-from pool.control import ControlBlock, gen_reached
+from pool.control import gen_reached
 from pool.errors import HandoffError, LeaseExpired, LeaseReleased, PoolRestarted, StaleLease
 from pool.featurepool import FeaturePool
 from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
@@ -68,11 +69,13 @@ def close_all(fds: list[int]) -> None:
 def test_received_slab_fd_cannot_be_mapped_writable(
     served: tuple[FeaturePool, HandoffServer, FakeClock],
 ) -> None:
-    pool, server, _ = served
+    _, server, _ = served
     s, msg, fds = raw_attach(server.path)
     try:
         slab_fd = fds[2]
-        with pytest.raises(PermissionError):  # EACCES: the FD is O_RDONLY
+        for fd in (fds[0], *fds[2:]):  # the control block and every slab: opened read-only
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        with pytest.raises(PermissionError):
             mmap.mmap(slab_fd, msg["slabs"][0]["size"], mmap.MAP_SHARED, mmap.PROT_WRITE)
         with pytest.raises(OSError):
             os.write(slab_fd, b"x")
@@ -110,7 +113,7 @@ def test_truncating_a_slab_is_refused_and_the_producer_keeps_working(
 ) -> None:
     """Shrinking the memfd would make the producer's next copy into it SIGBUS."""
     pool, server, _ = served
-    s, msg, fds = raw_attach(server.path)
+    s, _, fds = raw_attach(server.path)
     try:
         for fd in fds[2:]:
             with pytest.raises(OSError):
@@ -514,15 +517,14 @@ def test_open_of_a_lease_never_published_times_out_and_holds_nothing(
     ready word never reaches the generation. ``open`` gives up after its timeout."""
     pool, server, _ = served
     t = torch.ones(32)
-    lease, tier = pool._reserve(t, t.numel() * 4, 10.0)  # reserved, never published
+    lease, _ = pool._reserve(t, t.numel() * 4, 10.0)  # reserved, never published
     desc = pool.describe(lease)
     with FeatureClient.connect(server.path) as client:
         assert client._ctrl is not None
         assert not gen_reached(client._ctrl.ready(lease.slot), lease.generation)
-        with pytest.raises(TimeoutError, match="not published after 0.2s"):
+        with pytest.raises(TimeoutError, match=r"not published after 0\.2s"):
             client.open(desc, timeout_s=0.2)
         assert client._acks is not None  # its opened mark was withdrawn
         assert client._acks.acks[lease.slot] == lease.generation
     pool.release(lease.id)
     assert pool.stats()["quarantined_leases"] == 0
-
