@@ -218,7 +218,9 @@ class FeatureClient:
         reply = self._request({"op": "lookup", "lease_id": lease_id})
         return dict(reply["lease"])
 
-    def open(self, lease: LeaseRef, *, timeout_s: float | None = None) -> torch.Tensor:
+    def open(
+        self, lease: LeaseRef, *, timeout_s: float | None = None, host_wait: bool = True
+    ) -> torch.Tensor:
         """A zero-copy, read-only tensor over the lease's features. It keeps its mapping alive
         (also after ``close`` or ``reattach``) until the last view of it is gone.
 
@@ -229,6 +231,11 @@ class FeatureClient:
         raising TimeoutError if it is not (a producer that died before publishing). On the GPU
         tier it then also enqueues the stream wait on the ready word, which orders your later
         kernels on the current stream after the producer's copy.
+
+        ``host_wait=False`` (GPU tier): skip the host wait and return at once, with only the
+        stream wait enqueued; nothing then bounds that wait if the producer dies before its
+        copy (the stream waits until this process exits). A consumer on another node always
+        works this way: it has no host-visible ready word.
         """
         desc = self._descriptor(lease)
         if desc["tier"] == INLINE:
@@ -245,8 +252,10 @@ class FeatureClient:
                 f"has not mapped (a consumer on another node maps only the GPU tier): fetch it "
                 f"with GET /v1/leases/{desc['lease_id']}/tensor"
             )
+        gpu = self._transports[desc["tier"]] == "cuda_vmm"
         if ctrl is not None:
             self._mark_opened(desc, ctrl, slot, gen)
+        if ctrl is not None and (host_wait or not gpu):
             limit = self.timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + limit
             while not gen_reached(ctrl.ready(slot), gen):
@@ -260,7 +269,7 @@ class FeatureClient:
                         f"may have died before its copy (lookup or reattach to find out)"
                     )
                 time.sleep(0.0001)
-        if self._transports[desc["tier"]] == "cuda_vmm":
+        if gpu:
             self._cuda.wait_ready(slot, gen)
         return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
 
