@@ -173,7 +173,7 @@ def test_control_block_cannot_be_written_by_a_consumer(
         assert client._ctrl is not None
         with pytest.raises(ValueError, match="read-only"):  # the mapping itself is read-only
             client._ctrl.set_ready(lease.slot, 0)
-        desc = pool.describe(lease)
+        desc = pool.describe(lease).wire()
         assert torch.equal(client.open(desc), torch.ones(8))
         client.release(desc)
 
@@ -186,7 +186,7 @@ def test_each_consumer_gets_an_ack_block_of_its_own(
     pool, server, _ = served
     t = torch.randn(16, 16)
     lease = pool.put(t)
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     s, msg, fds = raw_attach(server.path)
     try:
         with FeatureClient.connect(server.path) as reader:
@@ -219,7 +219,7 @@ def test_two_consumers_reading_one_lease_first_ack_does_not_recycle_it(
     pool, server, _ = served
     t = torch.randn(256, 64)
     lease = pool.put(t)
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     with (
         FeatureClient.connect(server.path) as a,
         FeatureClient.connect(server.path) as b,
@@ -242,7 +242,7 @@ def test_an_opened_lease_past_its_deadline_is_quarantined_until_its_reader_acks(
     pool, server, clock = served
     t = torch.randn(SLAB // 4 // 2)  # half a slab
     lease = pool.put(t, ttl_s=5)
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     with FeatureClient.connect(server.path) as client:
         view = client.open(desc)
         clock.advance(6)
@@ -270,7 +270,7 @@ def test_delete_of_an_opened_lease_quarantines_it_until_the_reader_detaches(
 ) -> None:
     pool, server, _ = served
     lease = pool.put(torch.ones(1024))
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     client = FeatureClient.connect(server.path)
     client.open(desc)
     pool.release(lease.id)  # DELETE /v1/leases/{id}
@@ -294,7 +294,7 @@ def test_quarantine_ends_at_its_limit_for_a_reader_that_never_acks(tmp_path: Pat
     try:
         lease = pool.put(torch.ones(64), ttl_s=1)
         with FeatureClient.connect(server.path) as client:
-            client.open(pool.describe(lease))
+            client.open(pool.describe(lease).wire())
             clock.advance(2)
             pool.reap()
             clock.advance(29)
@@ -317,7 +317,7 @@ def test_a_consumer_opening_as_the_lease_ends_is_seen_after_the_gen_word_is_clea
     and keeps the memory (and the consumer, reading ``gen`` after its mark, sees the clear)."""
     pool, server, _ = served
     lease = pool.put(torch.ones(64))
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     with FeatureClient.connect(server.path) as client:
         assert client._acks is not None
         acks = client._acks
@@ -344,11 +344,11 @@ def test_forced_slot_reuse_is_current_compares_generations_and_old_acks_do_not_c
     server.start()
     try:
         with FeatureClient.connect(server.path) as client:
-            old = pool.describe(pool.put(torch.ones(8)))
+            old = pool.describe(pool.put(torch.ones(8))).wire()
             client.release(old)
             assert pool.reap() == 1
             new_lease = pool.put(torch.full((8,), 2.0))
-            new = pool.describe(new_lease)
+            new = pool.describe(new_lease).wire()
             assert new["slot"] == old["slot"] and new["generation"] == old["generation"] + 1
             assert not client.is_current(old)
             assert client.is_current(new)
@@ -398,7 +398,7 @@ def test_a_view_outlives_close_and_reattach(
     under the tensor) or reads the new pool's bytes (reattach maps at the old address)."""
     pool, server, _ = served
     t = torch.arange(4096, dtype=torch.float32)
-    desc = pool.describe(pool.put(t))
+    desc = pool.describe(pool.put(t)).wire()
     out = subprocess.run(
         [sys.executable, "-c", _VIEW_SCRIPT, str(server.path), json.dumps(desc)],
         cwd=ROOT,
@@ -423,7 +423,7 @@ def test_old_epoch_release_renew_and_is_current_raise_pool_restarted(tmp_path: P
     server.start()
     client = FeatureClient.connect(path)
     try:
-        old = pool.describe(pool.put(torch.ones(4)))
+        old = pool.describe(pool.put(torch.ones(4))).wire()
         view = client.open(old)
         server.close()
         pool.close()
@@ -431,7 +431,7 @@ def test_old_epoch_release_renew_and_is_current_raise_pool_restarted(tmp_path: P
         server = HandoffServer(pool, path)
         server.start()
         client.reattach()
-        new = pool.describe(pool.put(torch.zeros(4)))
+        new = pool.describe(pool.put(torch.zeros(4))).wire()
         assert new["slot"] == old["slot"] and new["offset"] == old["offset"]
         for call in (client.release, client.renew, client.is_current, client.open):
             with pytest.raises(PoolRestarted):
@@ -518,7 +518,7 @@ def test_open_of_a_lease_never_published_times_out_and_holds_nothing(
     pool, server, _ = served
     t = torch.ones(32)
     lease, _ = pool._reserve(t, t.numel() * 4, 10.0)  # reserved, never published
-    desc = pool.describe(lease)
+    desc = pool.describe(lease).wire()
     with FeatureClient.connect(server.path) as client:
         assert client._ctrl is not None
         assert not gen_reached(client._ctrl.ready(lease.slot), lease.generation)
