@@ -270,13 +270,15 @@ def test_lease_expiring_under_queued_reads_is_not_reused(sock: Path) -> None:
             stats = p.call("stats")["stats"]
             assert stats["expired"] == {"gpu": 1}
             assert stats["quarantined_leases"] == 1, stats
-            others = []
-            for i in range(4):  # best-fit would hand out the expired extent first
-                r = p.call("put", nbytes=nbytes, dtype="uint8", seed=100 + i, ttl_s=60)
-                if r["op"] == "lease":
-                    others.append(r["lease"])
-            assert others, "the pool took no new lease"
+            # Best-fit would hand out the expired extent first: instead the other three quarters
+            # of the pool fill up, and then the pool is full rather than reuse it.
+            others = [
+                p.call("put", nbytes=nbytes, dtype="uint8", seed=100 + i, ttl_s=60)["lease"]
+                for i in range(3)
+            ]
             assert all((o["slab"], o["offset"]) != (desc["slab"], desc["offset"]) for o in others)
+            with pytest.raises(RuntimeError, match="PoolExhausted"):
+                p.call("put", nbytes=nbytes, dtype="uint8", seed=104, ttl_s=60)
             torch.cuda.synchronize()
             assert torch.equal(copy, expected(desc, 31))
             assert wait_until(lambda: p.call("stats")["stats"]["quarantined_leases"] == 0)
