@@ -274,7 +274,7 @@ class FeaturePool:
         deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
         with self._lock:
             reaped = False
-            if len(self.leases) >= self.leases.max_slots:  # acked slots may be waiting
+            if len(self.leases) + len(self._held) >= self.leases.max_slots:  # acks may wait
                 self._reap_locked(self._remote_acks())
                 reaped = True
             while True:
