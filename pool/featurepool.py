@@ -609,9 +609,10 @@ class FeaturePool:
         """The consumer's connection ended: its ack block goes, and what only it held open
         is freed. Unknown ids are ignored (detach is called on every exit path)."""
         with self._lock:
-            block = self._consumers.pop(consumer_id, None)
-            if block is None:
+            if consumer_id not in self._consumers:
                 return
+            self._reap_locked()  # its last acks count (it may ack and hang up at once)
+            block = self._consumers.pop(consumer_id)
             block.close()
             self._release_held()
         log.info("consumer %d detached", consumer_id)

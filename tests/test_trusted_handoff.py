@@ -528,3 +528,22 @@ def test_open_of_a_lease_never_published_times_out_and_holds_nothing(
         assert client._acks.acks[lease.slot] == lease.generation
     pool.release(lease.id)
     assert pool.stats()["quarantined_leases"] == 0
+
+
+def test_acks_written_just_before_a_disconnect_still_count(
+    served: tuple[FeaturePool, HandoffServer, FakeClock],
+) -> None:
+    """A consumer that releases and closes at once: its ack block goes with its connection, so
+    the producer reads that block's acks before dropping it."""
+    pool, server, _ = served
+    leases = [pool.put(torch.ones(64)) for _ in range(3)]
+    with FeatureClient.connect(server.path) as client:
+        for lease in leases:
+            client.open(pool.describe(lease).wire())
+            client.release(pool.describe(lease).wire())
+    for _ in range(200):
+        if len(pool.leases) == 0:
+            break
+        threading.Event().wait(0.01)
+    assert len(pool.leases) == 0  # no reaper runs in this fixture: the detach reaped them
+    assert pool.stats()["released"] == {"ack": 3}
