@@ -547,3 +547,30 @@ def test_acks_written_just_before_a_disconnect_still_count(
         threading.Event().wait(0.01)
     assert len(pool.leases) == 0  # no reaper runs in this fixture: the detach reaped them
     assert pool.stats()["released"] == {"ack": 3}
+
+
+def test_quarantine_is_exported_as_metrics(
+    served: tuple[FeaturePool, HandoffServer, FakeClock],
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from app.metrics import PoolCollector
+
+    pool, server, clock = served
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool.stats))
+    lease = pool.put(torch.ones(1024), ttl_s=1)
+    desc = pool.describe(lease).wire()
+    with FeatureClient.connect(server.path) as client:
+        client.open(desc)
+        clock.advance(2)
+        pool.reap()
+        sample = registry.get_sample_value
+        assert sample("featpool_lease_quarantine_total", {"outcome": "held"}) == 1
+        assert sample("featpool_quarantined_leases") == 1
+        assert sample("featpool_quarantined_bytes") == 4096
+        with pytest.raises(StaleLease):
+            client.release(desc)
+        pool.reap()
+        assert sample("featpool_lease_quarantine_total", {"outcome": "released"}) == 1
+        assert sample("featpool_quarantined_leases") == 0
