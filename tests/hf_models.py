@@ -153,6 +153,24 @@ def lease_tensors(client: Any, base: str, items: list[dict[str, Any]]) -> list[t
     return out
 
 
+def encode_all(url: str, files: dict[str, bytes]) -> list[torch.Tensor]:
+    """POST every file in one request; each lease's features, in order."""
+    import httpx
+
+    with httpx.Client(timeout=120) as c:
+        r = c.post(
+            f"{url}/v1/encode",
+            files=[
+                ("image", (n, data, "image/jpeg" if n.endswith(".jpg") else "image/png"))
+                for n, data in files.items()
+            ],
+        )
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        assert len(items) == len(files)
+        return lease_tensors(c, url, items)
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from PIL import Image
@@ -34,7 +33,7 @@ from tests.hf_models import (
     CHECKPOINTS,
     Checkpoint,
     cosine,
-    lease_tensors,
+    encode_all,
     photos,
     reference,
     save_checkpoint,
@@ -53,28 +52,12 @@ CPU = torch.device("cpu")
 LIMITS = {"max_pixels": 40_000_000, "max_bytes": 1 << 24}
 
 
-def ctype(name: str) -> str:
-    return "image/jpeg" if name.endswith(".jpg") else "image/png"
-
-
 @pytest.fixture(scope="module")
 def files() -> dict[str, bytes]:
     out = photos()
     if transformers_composites_alpha():
         out["translucent.png"] = translucent_png()
     return out
-
-
-def encode_all(url: str, files: dict[str, bytes]) -> list[torch.Tensor]:
-    with httpx.Client(timeout=120) as c:
-        r = c.post(
-            f"{url}/v1/encode",
-            files=[("image", (n, data, ctype(n))) for n, data in files.items()],
-        )
-        assert r.status_code == 200, r.text
-        items = r.json()["items"]
-        assert len(items) == len(files)
-        return lease_tensors(c, url, items)
 
 
 @pytest.mark.parametrize("ck", CHECKPOINTS, ids=lambda c: c.id)
