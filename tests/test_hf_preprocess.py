@@ -6,6 +6,8 @@ named by directory or, as people type them, by repo id from the local Hugging Fa
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import torch
 from PIL import Image
 
 from app.encoders import build_encoder, check_encoder_name
-from app.imaging import decode_upright
+from app.imaging import decode, decode_upright
 from app.preprocess import (
     BICUBIC,
     BILINEAR,
@@ -67,15 +69,26 @@ def test_leases_equal_transformers(tmp_path: Path, files: dict[str, bytes], ck: 
         got = encode_all(live.url, files)
     want = reference(model, [upright(d) for d in files.values()])
     assert want.shape[1:] == (196 + (ck.kind == "clip"), 64)
-    cos = {n: cosine(g, w) for n, g, w in zip(files, got, want, strict=True)}
+    cos = {n: round(cosine(g, w), 5) for n, g, w in zip(files, got, want, strict=True)}
+    print(json.dumps({"checkpoint": ck.id, "cosine": cos, "before": before(model, files, want)}))
     assert all(c >= 0.999 for c in cos.values()), cos
 
     # The comparison sees what matters: the stored (not upright) pixels, which a processor fed
     # straight from Image.open() would see, give other features.
     exif = [n for n in files if n.startswith("exif")]
-    stored = reference(model, [Image.open(__import__("io").BytesIO(files[n])) for n in exif])
+    stored = reference(model, [Image.open(io.BytesIO(files[n])) for n in exif])
     for n, s in zip(exif, stored, strict=True):
         assert cosine(got[list(files).index(n)], s) < 0.99, n
+
+
+def before(model: Path, files: dict[str, bytes], want: torch.Tensor) -> dict[str, float]:
+    """The baseline for docs/benchmarks.md: featpool's default preprocessing (centre square,
+    bicubic), which served these checkpoints before they had their own."""
+    enc = build_encoder(f"hf:{model}", device=CPU)
+    x = torch.stack([decode(d, enc.image_size, **LIMITS) for d in files.values()]).float() / 255
+    x = (x - torch.tensor(enc.mean).view(1, 3, 1, 1)) / torch.tensor(enc.std).view(1, 3, 1, 1)
+    got = enc.encode(x)
+    return {n: round(cosine(g, w), 4) for n, g, w in zip(files, got, want, strict=True)}
 
 
 def test_transformers_own_file_loading_applies_exif(
