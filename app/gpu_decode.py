@@ -1,8 +1,10 @@
 """JPEG decode on the GPU (nvJPEG through torchvision), and the resize that follows it.
 
 torchvision is imported lazily: it is optional, and the service runs without it (Pillow decodes
-everything on the CPU then). ``preprocess`` is plain torch and runs on any device, so its
-behaviour (EXIF orientation, crop, antialiased resize) is tested on the CPU against Pillow.
+everything on the CPU then). ``preprocess`` is featpool's default preprocessing (for encoders
+without a processor config of their own; those use ``app.preprocess.ImageSpec``); it is plain
+torch and runs on any device, so its behaviour (EXIF orientation, crop, antialiased resize) is
+tested on the CPU against Pillow.
 """
 
 from __future__ import annotations

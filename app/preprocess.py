@@ -245,29 +245,34 @@ class ImageSpec:
     def from_pretrained(
         cls, directory: Path | str, fallback: str | None = None
     ) -> ImageSpec | None:
-        """The spec of ``directory/preprocessor_config.json`` as transformers reads it
-        (``AutoImageProcessor``; the class named ``fallback`` where the config names none and
-        the model type has no processor of its own, as a vision-tower-only checkpoint); None
-        when the directory has no such file."""
-        directory = Path(directory)
-        path = directory / "preprocessor_config.json"
-        if not path.is_file():
+        """The spec of ``directory/preprocessor_config.json`` (see ``load_image_processor``);
+        None when the directory has none."""
+        proc = load_image_processor(directory, fallback)
+        if proc is None:
             return None
-        transformers = importlib.import_module("transformers")
+        return cls.from_processor(proc, source=str(Path(directory) / "preprocessor_config.json"))
+
+
+def load_image_processor(directory: Path | str, fallback: str | None = None) -> Any | None:
+    """``directory/preprocessor_config.json`` as transformers reads it (``AutoImageProcessor``,
+    offline; its class defaults fill what the file leaves out), or the class named ``fallback``
+    where the file names no class and the model type has no processor of its own (a
+    vision-tower-only checkpoint). None without such a file; ValueError if transformers cannot
+    load it."""
+    directory = Path(directory)
+    path = directory / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    transformers = importlib.import_module("transformers")
+    try:
         try:
-            try:
-                proc = transformers.AutoImageProcessor.from_pretrained(
-                    directory, local_files_only=True
-                )
-            except ValueError:  # "Unrecognized image processor"
-                if fallback is None:
-                    raise
-                proc = getattr(transformers, fallback).from_pretrained(
-                    directory, local_files_only=True
-                )
-        except Exception as e:  # transformers raises many kinds for a config it cannot read
-            raise ValueError(f"{path}: transformers cannot load this image processor: {e}") from e
-        return cls.from_processor(proc, source=str(path))
+            return transformers.AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+        except ValueError:  # "Unrecognized image processor"
+            if fallback is None:
+                raise
+            return getattr(transformers, fallback).from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for a config it cannot read
+        raise ValueError(f"{path}: transformers cannot load this image processor: {e}") from e
 
 
 def _field(d: Any, key: str) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,7 +70,7 @@ def resolve_model(ref: str) -> Path:
     if path.is_dir():
         return path
     repo, _, revision = ref.partition("@")
-    pathlike = ref.startswith(("/", ".", "~")) or os.sep * 2 in ref or repo.count("/") > 1
+    pathlike = ref.startswith(("/", ".", "~")) or repo.count("/") > 1
     if pathlike or not repo:
         raise ValueError(f"hf encoder: {ref} is not a local model directory; nothing is downloaded")
     from huggingface_hub import snapshot_download
