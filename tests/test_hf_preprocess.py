@@ -164,7 +164,7 @@ def test_unsupported_processor_is_a_startup_error(tmp_path: Path) -> None:
         build_encoder(f"hf:{tmp_path}", device=CPU)
     # A processor with steps of its own (ConvNeXt's crop_pct) is refused, not approximated.
     transformers.ConvNextImageProcessor(size={"shortest_edge": 224}).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="ConvNextImageProcessor.*in its own way"):
+    with pytest.raises(ValueError, match=r"ConvNextImageProcessor.*in its own way"):
         build_encoder(f"hf:{tmp_path}", device=CPU)
     (tmp_path / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="transformers cannot load this image processor"):
