@@ -14,12 +14,15 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
+
+if TYPE_CHECKING:  # decode() imports torch when called: front processes parse headers only
+    import torch
 
 FORMATS = {
     "JPEG": "image/jpeg",
@@ -52,6 +55,13 @@ class Header:
     mode: str
     orientation: int  # EXIF orientation, 1 (upright) to 8
     gpu_jpeg: bool  # a JPEG nvJPEG can take: RGB or grayscale, ending in EOI
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the decoded pixels: width x height x channels x bytes per sample."""
+        mode = ImageMode.getmode(self.mode)
+        sample = int(mode.typestr[-1]) if mode.typestr[-1].isdigit() else 1
+        return self.width * self.height * len(mode.bands) * sample
 
 
 @contextmanager
@@ -118,6 +128,8 @@ def decode(
     data: bytes, size: int, *, max_pixels: int, max_bytes: int, label: str = "image"
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
+    import torch
+
     with _image_errors(label):
         im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
         if im.format == "JPEG":
