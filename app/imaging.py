@@ -21,7 +21,7 @@ from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
 
-if TYPE_CHECKING:  # decode() imports torch when called: front processes parse headers only
+if TYPE_CHECKING:  # imported when a decode needs it (_chw): front processes parse headers only
     import torch
 
 FORMATS = {
@@ -128,8 +128,6 @@ def decode(
     data: bytes, size: int, *, max_pixels: int, max_bytes: int, label: str = "image"
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
-    import torch
-
     with _image_errors(label):
         im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
         if im.format == "JPEG":
@@ -137,8 +135,7 @@ def decode(
         im.load()
         rgb = _to_rgb(ImageOps.exif_transpose(im))
         rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    return _chw(rgb)
 
 
 def decode_upright(
@@ -151,6 +148,14 @@ def decode_upright(
         im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
         im.load()
         rgb = to_rgb_as_transformers(ImageOps.exif_transpose(im))
+    return _chw(rgb)
+
+
+def _chw(rgb: Image.Image) -> torch.Tensor:
+    """``[3, H, W]`` uint8. torch is imported here, not at the top: front processes import
+    this module for ``inspect`` and must not load torch."""
+    import torch
+
     arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
