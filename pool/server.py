@@ -461,13 +461,16 @@ class HandoffServer:
     # The attach seam: what an authenticated peer receives, and what its disconnect undoes.
 
     def _attach(self, c: _Conn) -> tuple[dict[str, Any], list[int]]:
-        """The welcome and FDs for ``c``; counted before the welcome is sent, so a client that
-        has it is counted."""
-        welcome, fds = self.pool.welcome(fabric_handles=self.token is not None)
+        """The welcome and FDs (ours to close) for ``c``; counted before the welcome is sent,
+        so a client that has it is counted."""
+        attachment = self.pool.attach_consumer(str(c), fabric_handles=self.token is not None)
+        c.consumer = attachment.consumer_id
         self.pool.note_consumer(+1, remote=self.remote)
-        return welcome, fds
+        return attachment.welcome, attachment.fds
 
     def _detach(self, c: _Conn) -> None:
+        if c.consumer:
+            self.pool.detach_consumer(c.consumer)
         self.pool.note_consumer(-1, remote=self.remote)
         log.info("consumer %s detached", c)
 
@@ -617,9 +620,10 @@ class FabricHandoffServer(HandoffServer):
         return {"transport": "tcp", "address": f"{host}:{port}"}  # the token decides, on hello
 
     def _attach(self, c: _Conn) -> tuple[dict[str, Any], list[int]]:
-        welcome, fds = self.pool.welcome(remote=True)
+        attachment = self.pool.attach_consumer(str(c), remote=True)
+        c.consumer = attachment.consumer_id  # 0: no ack block, it acks in device words
         self.pool.note_consumer(+1, remote=True)
-        return welcome, fds
+        return attachment.welcome, attachment.fds
 
 
 def _close_all(fds: Iterable[int]) -> None:

@@ -24,7 +24,7 @@ from app.metrics import Metrics
 from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
 from pool.errors import HandoffError
-from pool.featurepool import FeaturePool
+from pool.featurepool import Attachment, FeaturePool
 from pool.protocol import (
     MAX_FRAME,
     MAX_HELLO_FRAME,
@@ -49,7 +49,7 @@ class Served:
     server: HandoffServer
     hello: dict[str, Any]
     drv: FakeDriver | None = None
-    welcomes: list[dict[str, Any]] = field(default_factory=list)  # calls of pool.welcome
+    welcomes: list[dict[str, Any]] = field(default_factory=list)  # calls of attach_consumer
 
     def connect(self) -> socket.socket:
         if isinstance(self.server, FabricHandoffServer):
@@ -91,13 +91,13 @@ def serve(tmp_path: Path) -> Iterator[Callable[[str, Limits], Served]]:
             server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN, limits=limits)
             hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": TOKEN}
             served = Served(kind, pool, server, hello, drv)
-        real = pool.welcome
+        real = pool.attach_consumer
 
-        def counted(**kw: Any) -> tuple[dict[str, Any], list[int]]:
+        def counted(peer: str = "", **kw: Any) -> Attachment:
             served.welcomes.append(kw)
-            return real(**kw)
+            return real(peer, **kw)
 
-        pool.welcome = counted  # type: ignore[method-assign]
+        pool.attach_consumer = counted  # type: ignore[method-assign]
         server.start()
         made.append(served)
         return served
@@ -375,7 +375,7 @@ def test_the_welcome_fds_are_closed_once_on_every_path(
 SERVER_WITH_FEW_FDS = """
 import json, os, resource, sys
 from pool.backends.host_shm import HostShmBackend
-from pool.featurepool import FeaturePool
+from pool.featurepool import Attachment, FeaturePool
 from pool.server import HandoffServer, Limits
 pool = FeaturePool([HostShmBackend([1 << 20])])
 server = HandoffServer(pool, sys.argv[1], limits=Limits(auth_timeout_s=0.5))
