@@ -454,9 +454,10 @@ class HandoffServer:
     def _token_ok(self, given: object) -> bool:
         if self.token is None:
             return True
-        # Compared as bytes: hmac.compare_digest refuses non-ASCII str (a peer could send one).
+        # Compared as bytes: hmac.compare_digest refuses non-ASCII str (a peer could send one),
+        # and JSON can carry lone surrogates ("\ud800"), which strict UTF-8 cannot encode.
         text = given if isinstance(given, str) else ""
-        return hmac.compare_digest(text.encode(), self.token.encode())
+        return hmac.compare_digest(text.encode("utf-8", "surrogatepass"), self.token.encode())
 
     # The attach seam: what an authenticated peer receives, and what its disconnect undoes.
 

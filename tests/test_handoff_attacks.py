@@ -268,6 +268,7 @@ def test_tcp_token_is_checked_before_any_fabric_handle_is_sent(
         {"op": "hello", "version": PROTOCOL_VERSION, "token": "wrong"},
         {"op": "hello", "version": PROTOCOL_VERSION, "token": TOKEN[:-1]},
         {"op": "hello", "version": PROTOCOL_VERSION, "token": [TOKEN]},
+        {"op": "hello", "version": PROTOCOL_VERSION, "token": "\ud800"},  # a lone surrogate
         {"op": "lookup", "lease_id": "x", "token": TOKEN},  # not a hello
     ):
         c = s.connect()
@@ -280,7 +281,7 @@ def test_tcp_token_is_checked_before_any_fabric_handle_is_sent(
         assert b"fabric_handle" not in data and b"error" in data
     assert s.welcomes == []
     assert s.drv.names().count("export_fabric") == exports  # no slab handle exported yet
-    assert s.refused("bad_token") == 4 and s.refused("bad_hello") == 1
+    assert s.refused("bad_token") == 5 and s.refused("bad_hello") == 1
     assert s.pool.stats()["remote_consumers_attached"] == 0
     c = s.attach()  # with the token: the handles
     assert s.welcomes == [{"remote": True}]
