@@ -125,6 +125,26 @@ class FeatureClient:
         client._attach()
         return client
 
+    @classmethod
+    def for_gpu(
+        cls,
+        socket_dir: str | os.PathLike[str] | None = None,
+        *,
+        gpu_uuid: str | None = None,
+        cuda_index: int | None = None,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> FeatureClient:
+        """Attach to the featpool of a GPU, found in ``socket_dir`` by the discovery rule of
+        ``pool.discovery`` (by UUID, or by this process's CUDA index, which is also the device
+        the features are mapped on). Call it again after a ConnectionError to follow a rolling
+        update to the new pod."""
+        from pool.discovery import find
+
+        entry = find(socket_dir, gpu_uuid=gpu_uuid, cuda_index=cuda_index)
+        device = f"cuda:{cuda_index}" if cuda_index is not None else None
+        return cls.connect(entry.socket, token=token, device=device, timeout_s=timeout_s)
+
     def _connect(self) -> socket.socket:
         if not self.remote:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
