@@ -746,18 +746,27 @@ def exec_form(args: str) -> list[str]:
     return value
 
 
-def test_dockerfile_is_multi_stage_on_a_cuda_runtime_image() -> None:
+def base_image() -> str:
+    """The FROM image with the default CUDA_VERSION build argument."""
     instrs = dockerfile()
     args = dict(a.split("=", 1) for k, a in instrs if k == "ARG" and "=" in a)
+    froms = {a.split(" AS ")[0] for k, a in instrs if k == "FROM"}
+    assert len(froms) == 1, froms  # both stages on the same base
+    return froms.pop().replace("${CUDA_VERSION}", args["CUDA_VERSION"])
+
+
+def test_dockerfile_is_multi_stage_on_a_cuda_runtime_image() -> None:
+    instrs = dockerfile()
     froms = [a for k, a in instrs if k == "FROM"]
     assert len(froms) >= 2
     assert froms[0].endswith(" AS builder")
-    base = args["CUDA_IMAGE"]
-    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu\d\d\.\d\d", base), base
-    # The builder installs the project with the cuda extra into a venv...
+    base = base_image()
+    assert re.fullmatch(r"nvidia/cuda:1[23]\.\d+\.\d+-runtime-ubuntu\d\d\.\d\d", base), base
+    # The builder installs the locked dependencies, then the project alone, into a venv...
     runs = " ".join(a for k, a in instrs if k == "RUN")
     assert "python3 -m venv /opt/venv" in runs
-    assert '/opt/venv/bin/pip install ".[cuda]"' in runs
+    assert "--require-hashes --no-deps -r" in runs
+    assert "/opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation ." in runs
     # ...and the final stage takes only the venv.
     copies = [a for k, a in final_stage() if k == "COPY"]
     assert copies == ["--from=builder /opt/venv /opt/venv"]
@@ -768,7 +777,7 @@ def test_dockerfile_python_satisfies_requires_python() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     requires = re.search(r'^requires-python\s*=\s*"([^"]+)"', pyproject, re.MULTILINE)
     assert requires, "pyproject.toml has no requires-python"
-    base = dict(a.split("=", 1) for k, a in dockerfile() if k == "ARG" and "=" in a)["CUDA_IMAGE"]
+    base = base_image()
     ubuntu_python = {"ubuntu22.04": "3.10", "ubuntu24.04": "3.12"}
     release = base.rsplit("-", 1)[1]
     assert release in ubuntu_python, f"unknown Python of {release}"
@@ -884,7 +893,7 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
     for k, a in dockerfile():
         if k == "COPY" and not a.startswith("--from"):
             copied += a.split()[:-1]
-    assert copied == ["pyproject.toml", "README.md", "app", "pool"]
-    for path in [*copied, "app/__init__.py", "pool/featurepool.py"]:
+    assert copied == ["requirements/", "pyproject.toml", "README.md", "app", "pool"]
+    for path in [*copied, "app/__init__.py", "pool/featurepool.py", "requirements/cuda-12.8.txt"]:
         assert not dockerignored(path, patterns), path
         assert (ROOT / path).exists(), path
