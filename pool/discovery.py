@@ -20,6 +20,11 @@ A consumer asks for a GPU by UUID (``GPU-...`` as nvidia-smi and NVIDIA_VISIBLE_
 it; torch's form without the prefix is accepted too) or by its own CUDA index, which is turned
 into the UUID in the consumer's process (indices differ between processes and containers).
 Several live entries for one GPU (a rolling update on a shared GPU) resolve to the newest.
+
+Trust: whoever may write in the socket directory (its group, in the chart) can add an entry that
+claims a GPU and points at a socket of its own, newer than the real one. A consumer that passes
+``owner_uids`` (the service's uid, 10001 in the image) only counts entries whose file is owned by
+one of them: the owner of a file is set by the kernel, not by its content.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,9 +88,10 @@ class Entry:
     instance: str
     pid: int
     started_at: float
+    owner_uid: int = -1  # of the entry file, from the kernel
 
     @classmethod
-    def parse(cls, path: Path, data: dict[str, Any]) -> Entry:
+    def parse(cls, path: Path, data: dict[str, Any], owner_uid: int = -1) -> Entry:
         name = data["socket"]
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise ValueError(f"socket must be a file name, got {name!r}")
@@ -99,6 +105,7 @@ class Entry:
             instance=str(data.get("instance", "")),
             pid=int(data.get("pid", 0)),
             started_at=float(data["started_at"]),
+            owner_uid=owner_uid,
         )
 
 
@@ -228,9 +235,13 @@ def socket_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     return Path(env) if env else DEFAULT_DIR
 
 
-def entries(directory: str | os.PathLike[str] | None = None) -> list[Entry]:
+def entries(
+    directory: str | os.PathLike[str] | None = None, *, owner_uids: Iterable[int] | None = None
+) -> list[Entry]:
     """The live featpools in the directory, newest first. Stale and unreadable entries are
-    skipped (and logged at debug level); this never writes."""
+    skipped (and logged at debug level), and with ``owner_uids`` those whose file another uid
+    owns; this never writes."""
+    trusted = None if owner_uids is None else set(owner_uids)
     found: list[Entry] = []
     for path in _candidates(socket_dir(directory)):
         try:
@@ -241,10 +252,14 @@ def entries(directory: str | os.PathLike[str] | None = None) -> list[Entry]:
             if _try_lock(fd, fcntl.LOCK_SH):
                 log.debug("skipping %s: its server is gone", path)
                 continue
+            owner = os.fstat(fd).st_uid
+            if trusted is not None and owner not in trusted:
+                log.warning("ignoring %s: owned by uid %d, not one of %s", path, owner, trusted)
+                continue
             data = _read_entry(fd)
             if data is None:
                 continue
-            found.append(Entry.parse(path, data))
+            found.append(Entry.parse(path, data, owner))
         except (KeyError, TypeError, ValueError) as e:
             log.debug("skipping %s: %s", path, e)
         finally:
@@ -258,15 +273,17 @@ def find(
     *,
     gpu_uuid: str | None = None,
     cuda_index: int | None = None,
+    owner_uids: Iterable[int] | None = None,
 ) -> Entry:
     """The featpool serving a GPU: by ``gpu_uuid``, or by this process's CUDA device
     ``cuda_index``; with neither, the only featpool in the directory. The newest wins when
-    several serve the same GPU. Raises NoFeatpool saying what is there instead."""
+    several serve the same GPU. ``owner_uids``: only entries written by these uids count (see
+    the module's note on trust). Raises NoFeatpool saying what is there instead."""
     if gpu_uuid is not None and cuda_index is not None:
         raise ValueError("ask by gpu_uuid or by cuda_index, not both")
     want = cuda_uuid(cuda_index) if cuda_index is not None else gpu_uuid
     d = socket_dir(directory)
-    live = entries(d)
+    live = entries(d, owner_uids=owner_uids)
     if want is None:
         if len({e.gpu_uuid for e in live}) == 1:
             return live[0]

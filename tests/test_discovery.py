@@ -182,3 +182,27 @@ def test_default_directory_comes_from_the_environment(
     monkeypatch.setenv("FEATPOOL_SOCKET_DIR", str(tmp_path))
     with discovery.publish(tmp_path / "a.sock", gpu_uuid=GPU_A, device="cpu", transport="x"):
         assert discovery.find(gpu_uuid=GPU_A).socket == tmp_path / "a.sock"
+
+
+def test_an_entry_planted_by_another_uid_is_refused_when_asked(tmp_path: Path) -> None:
+    """The attack: a member of the socket directory's group adds an entry for the same GPU,
+    newer than the real one, pointing at a socket of its own. Without ``owner_uids`` a consumer
+    follows it (newest wins); with the service's uid it keeps to the real featpool."""
+    real_uid, attacker_uid = os.getuid(), 4242
+    if real_uid != 0:
+        pytest.skip("making a file owned by another uid needs root")
+    with discovery.publish(tmp_path / "real.sock", gpu_uuid=GPU_A, device="cpu", transport="x"):
+        time.sleep(0.01)
+        # The attacker's own "server": a listening socket, a locked entry, both its files.
+        planted = discovery.publish(
+            tmp_path / "evil.sock", gpu_uuid=GPU_A, device="cpu", transport="x"
+        )
+        try:
+            os.chown(tmp_path / "evil.sock.json", attacker_uid, -1)
+            assert discovery.find(tmp_path, gpu_uuid=GPU_A).instance == "evil"
+            found = discovery.find(tmp_path, gpu_uuid=GPU_A, owner_uids=[real_uid])
+            assert (found.instance, found.owner_uid) == ("real", real_uid)
+            with pytest.raises(NoFeatpool, match="no live featpool"):
+                discovery.find(tmp_path, gpu_uuid=GPU_A, owner_uids=[12345])
+        finally:
+            planted.close()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,15 +83,17 @@ def sha(t: torch.Tensor) -> str:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[Path, list[dict[str, Any]], list[Pod]]]:
-    socket_dir = tmp_path / "run-featpool"
-    socket_dir.mkdir(mode=0o770)
+def node() -> Iterator[tuple[Path, list[dict[str, Any]], list[Pod]]]:
+    # A short path: a Unix socket's path has at most 107 bytes, and pod names are long (on a
+    # node: /run/featpool/ and a pod name of at most 63 characters).
+    socket_dir = Path(tempfile.mkdtemp(prefix="fp-node-"))
     pods: list[Pod] = []
     try:
         yield socket_dir, render(values(socket_dir)), pods
     finally:
         for pod in pods:
             pod.server.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def test_two_pods_on_one_node_both_serve_and_consumers_find_each_by_gpu(
