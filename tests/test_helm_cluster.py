@@ -313,7 +313,7 @@ def test_model_cache_volume_and_hf_home() -> None:
     assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     env = container_env(docs, pod_name="p")
     assert env["HF_HOME"] == "/models/huggingface" and env["HF_HUB_OFFLINE"] == "1"
-    assert env["FEATPOOL_ENCODER"] == "hf:/models/siglip-so400m-patch14-384"
+    assert env["FEATPOOL_ENCODER"] == "hf:google/siglip-so400m-patch14-384"
 
     existing = render(ci("keda-values.yaml"))
     assert not [d for d in existing if d["kind"] == "PersistentVolumeClaim"]

@@ -175,3 +175,32 @@ def test_rolling_update_new_pod_beside_the_old_then_consumers_follow(
     with pytest.raises(discovery.NoFeatpool, match=f"live there: {other.name}"):
         FeatureClient.for_gpu(socket_dir, gpu_uuid=GPU_0)
     assert discovery.find(socket_dir, gpu_uuid=GPU_1).instance == other.name
+
+
+def test_model_cache_volume_serves_a_hub_model_offline(tmp_path: Path) -> None:
+    """`modelCache`: the chart mounts the claim and sets HF_HOME into it; a model put there by
+    `hf download` (the hub cache layout) loads by its repo id, offline, in a server started with
+    the rendered environment."""
+    from tests.hf_models import CHECKPOINTS, save_to_hub_cache
+
+    models = Path(tempfile.mkdtemp(prefix="fp-models-"))
+    socket_dir = Path(tempfile.mkdtemp(prefix="fp-node-"))
+    pod: Pod | None = None
+    try:
+        chart_values = values(socket_dir)
+        chart_values["modelCache"] = {"enabled": True, "mountPath": str(models)}
+        chart_values["config"]["encoder"] = "hf:acme/tiny-siglip"
+        docs = render(chart_values)
+        env = container_env(docs, pod_name="p")
+        assert env["HF_HOME"] == f"{models}/huggingface" and env["HF_HUB_OFFLINE"] == "1"
+        save_to_hub_cache(
+            CHECKPOINTS[0], models / "huggingface" / "hub", "acme/tiny-siglip", tmp_path / "ck"
+        )
+        pod = Pod(docs, "fp-featpool-5d6e7f-cache", GPU_0, tmp_path / "cache.log")
+        lease = pod.encode(seed=6)
+        assert lease["shape"] == [196, 64]  # the tiny SigLIP tower: 14x14 patches, width 64
+    finally:
+        if pod is not None:
+            pod.server.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        shutil.rmtree(models, ignore_errors=True)
