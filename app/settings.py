@@ -89,6 +89,12 @@ class Settings(BaseSettings):
         description="open connections per hand-off server; at the limit a new one displaces the "
         "oldest that has not authenticated, or is refused if all are attached consumers",
     )
+    gpu_uuid: str | None = Field(
+        None,
+        description="GPU identity published in the socket directory's index (pool.discovery); "
+        "on CUDA the device's own UUID is published and a different value here stops start-up; "
+        "on CPU (host tier only) this configured value is what consumers ask for",
+    )
     fabric_listen: str | None = Field(
         None,
         description="HOST:PORT where consumers on other NVLink nodes attach over TCP "
