@@ -16,11 +16,12 @@ import torch
 
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
+from app.budget import DecodedBytesBudget, Reservation, reserve
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
 from app.errors import ApiError
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import decode, inspect
+from app.imaging import Header, decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.errors import CudaUnavailable, PoolError
@@ -62,6 +63,9 @@ class Engine:
         self.decoder = ThreadPoolExecutor(
             settings.decode_workers, thread_name_prefix="featpool-decode"
         )
+        # Decoded bytes of the images being decoded, across requests (app/budget.py).
+        self.decoded_budget = DecodedBytesBudget(settings.max_decoded_bytes_in_flight)
+        metrics.decoded_bytes_in_flight.set_function(lambda: float(self.decoded_budget.in_use))
         self.ready = False
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
@@ -224,55 +228,117 @@ class Engine:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
-        s = self.settings
         size = self.encoder.image_size
-        jobs: list[Job | None] = [None] * len(images)
+        loop = asyncio.get_running_loop()
         try:
+            # Every header before any pixel: the per-image limits, then the request's decoded
+            # bytes against its own limit and against what other requests are decoding now.
+            headers = await loop.run_in_executor(self.decoder, self._inspect_all, images)
+            held = self._reserve_decoded(headers)
+        except ApiError:
+            self.metrics.images.labels("rejected").inc(len(images))
+            raise
+        try:
+            jobs: list[Job | None] = [None] * len(images)
+            # JPEGs for nvJPEG are decoded on the GPU in batches; their bytes stay held until
+            # the batch is done. The others are decoded here, each giving its bytes back as
+            # soon as its pixels are down to the encoder's input size.
             if self.jpeg is not None:
-                # JPEGs for nvJPEG: only the header is parsed here (tens of microseconds, less
-                # than a hop to the thread pool); the pixels are decoded on the GPU in batches.
-                for i, (label, data) in enumerate(images):
-                    if data[:3] == b"\xff\xd8\xff":
-                        h = inspect(
-                            data,
-                            max_pixels=s.max_image_pixels,
-                            max_bytes=s.max_image_bytes,
-                            label=label,
+                for i, h in enumerate(headers):
+                    if h.gpu_jpeg:
+                        jobs[i] = Job(
+                            images[i][0],
+                            ttl_s,
+                            jpeg=images[i][1],
+                            orientation=h.orientation,
+                            pooled=pooled,
+                            dtype=dtype,
                         )
-                        if h.gpu_jpeg:
-                            jobs[i] = Job(
-                                label,
-                                ttl_s,
-                                jpeg=data,
-                                orientation=h.orientation,
-                                pooled=pooled,
-                                dtype=dtype,
-                            )
-            loop = asyncio.get_running_loop()
             todo = [i for i, j in enumerate(jobs) if j is None]
             tasks = [
-                loop.run_in_executor(self.decoder, self._decode, *images[i], size) for i in todo
+                loop.run_in_executor(
+                    self.decoder, self._decode, *images[i], size, held, headers[i].decoded_bytes
+                )
+                for i in todo
             ]
             try:
                 for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
                     jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
+            except ApiError:
+                self.metrics.images.labels("rejected").inc(len(images))
+                raise
             except BaseException:
                 for t in tasks:
                     t.cancel()
                 raise
-        except ApiError:
-            self.metrics.images.labels("rejected").inc(len(images))
-            raise
-        leases = await self.batcher.submit([j for j in jobs if j is not None])
+            leases = await self.batcher.submit([j for j in jobs if j is not None])
+        finally:
+            held.close()
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
-    def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
+    def _inspect_all(self, images: Sequence[tuple[str, bytes]]) -> list[Header]:
+        s = self.settings
+        return [
+            inspect(
+                data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
+            )
+            for label, data in images
+        ]
+
+    def _reserve_decoded(self, headers: Sequence[Header]) -> Reservation:
+        """The request's decoded bytes from the shared budget: 413 if more than one request
+        may decode, 429 if other requests hold too much of the budget now."""
+        total = sum(h.decoded_bytes for h in headers)
+        limit = min(self.settings.max_request_decoded_bytes, self.decoded_budget.capacity)
+        if total > limit:
+            flag = (
+                "--max-request-decoded-bytes"
+                if limit == self.settings.max_request_decoded_bytes
+                else "--max-decoded-bytes-in-flight"
+            )
+            raise ApiError(
+                "payload_too_large",
+                f"the request's {len(headers)} image(s) decode to {total} bytes; "
+                f"the limit is {limit} ({flag})",
+            )
+        held = reserve(self.decoded_budget, total)
+        if held is None:
+            raise ApiError(
+                "decode_busy",
+                f"other requests are decoding {self.decoded_budget.in_use} bytes; this one "
+                f"needs {total} more (limit {self.decoded_budget.capacity})",
+                headers={"Retry-After": "1"},
+            )
+        return held
+
+    def _decode(
+        self,
+        label: str,
+        data: bytes,
+        size: int,
+        held: Reservation | None = None,
+        nbytes: int = 0,
+    ) -> torch.Tensor:
+        """Pillow decode of one image; then its decoded bytes go back to the budget."""
         t0 = time.perf_counter()
         s = self.settings
-        out = decode(
-            data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
-        )
+        try:
+            out = decode(
+                data,
+                size,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
+            )
+        finally:
+            if held is not None:
+                held.release(nbytes)
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 

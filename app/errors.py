@@ -35,6 +35,7 @@ STATUS: dict[str, int] = {
     "unsupported_media_type": 415,
     "validation_error": 422,
     "queue_full": 429,
+    "decode_busy": 429,  # the decoded-bytes budget is held by other requests
     "client_disconnected": 499,  # nginx's code: the client hung up before the answer
     "internal_error": 500,
     "invalid_tensor": 500,
@@ -46,7 +47,7 @@ STATUS: dict[str, int] = {
 
 
 # Requests turned away before any work, counted in featpool_rejected_total{reason}.
-REJECTIONS = {"queue_full", "not_ready", "pool_exhausted", "payload_too_large"}
+REJECTIONS = {"queue_full", "decode_busy", "not_ready", "pool_exhausted", "payload_too_large"}
 
 
 def count_rejection(request: Request, kind: str) -> None:

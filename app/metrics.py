@@ -194,6 +194,11 @@ class Metrics(HttpMetrics):
             "featpool_queue_depth", "Images waiting for the encoder", registry=r
         )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
+        self.decoded_bytes_in_flight = Gauge(
+            "featpool_decoded_bytes_in_flight",
+            "Decoded bytes of images being decoded now (--max-decoded-bytes-in-flight)",
+            registry=r,
+        )
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))

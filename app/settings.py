@@ -102,6 +102,19 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(16 * MiB, gt=0, description="largest single image")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb limit")
     max_images_per_request: int = Field(64, gt=0, description="image parts per request")
+    # Decoded bytes: width x height x channels x bytes per sample, read from the headers and
+    # refused (413) before any pixel is decoded. A 40 Mpx 8-bit RGB photo is 120 MB.
+    max_image_decoded_bytes: int = Field(
+        128 * MiB, gt=0, description="decoded bytes of one image; beyond -> 413"
+    )
+    max_request_decoded_bytes: int = Field(
+        256 * MiB, gt=0, description="decoded bytes of all images of one request; beyond -> 413"
+    )
+    max_decoded_bytes_in_flight: int = Field(
+        512 * MiB,
+        gt=0,
+        description="decoded bytes of images being decoded across requests; beyond -> 429",
+    )
 
     # Logs
     log_level: str = Field("INFO", description="logging level")
