@@ -227,7 +227,10 @@ class Engine:
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.pool is not None and ttl_s is not None:
-            self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
+            try:
+                self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
+            except ValueError as e:
+                raise ApiError("validation_error", str(e)) from None
         size = self.encoder.image_size
         loop = asyncio.get_running_loop()
         try:

@@ -21,6 +21,7 @@ from app.jobs import EncodeFn
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.featurepool import FeaturePool
+from pool.leases import MIN_TTL_S
 
 
 def engine(request: Request) -> Engine:
@@ -67,11 +68,16 @@ class EncodeOut(BaseModel):
 
 class RenewIn(BaseModel):
     ttl_s: float | None = Field(
-        None, gt=0, description="new deadline from now; default TTL if unset"
+        None,
+        ge=MIN_TTL_S,
+        description=f"new deadline from now, at least {MIN_TTL_S} s; default TTL if unset",
     )
 
 
-TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in seconds")]
+TtlQuery = Annotated[
+    float | None,
+    Query(ge=MIN_TTL_S, description=f"lease deadline in seconds, at least {MIN_TTL_S}"),
+]
 PooledQuery = Annotated[
     bool,
     Query(description="publish the mean over tokens, shape [D], instead of every token, [T, D]"),

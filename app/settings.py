@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pool.leases import MIN_TTL_S
 from pool.protocol import parse_host_port
 
 MiB = 1 << 20
@@ -51,8 +52,10 @@ class Settings(BaseSettings):
     )
     inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
     max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
-    lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
-    max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
+    lease_ttl_s: float = Field(60.0, ge=MIN_TTL_S, description="default lease deadline")
+    max_lease_ttl_s: float = Field(
+        3600.0, ge=MIN_TTL_S, description="longest deadline a client may ask"
+    )
     fallback: Literal["fallback", "wait", "reject"] = Field(
         "fallback", description="when the first tier is full: next tier, bounded wait, or 503"
     )

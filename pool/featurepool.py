@@ -25,7 +25,7 @@ from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
 from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
-from pool.leases import Lease, LeaseState, LeaseTable
+from pool.leases import MIN_TTL_S, Lease, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ class FeaturePool:
 
     def clamp_ttl(self, ttl_s: float | None) -> float:
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
-        if not ttl > 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if not ttl >= MIN_TTL_S:
+            raise ValueError(f"ttl_s must be at least {MIN_TTL_S} s, got {ttl_s}")
         return min(ttl, self.max_ttl_s)
 
     def put(self, tensor: torch.Tensor, ttl_s: float | None = None) -> Lease:
