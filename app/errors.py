@@ -42,6 +42,7 @@ STATUS: dict[str, int] = {
     "cuda_error": 500,
     "pool_exhausted": 503,
     "not_ready": 503,
+    "gpu_out_of_memory": 503,  # the batch failed alone; the service lives on
     "cuda_unavailable": 503,
 }
 
