@@ -25,7 +25,7 @@ from app.imaging import Header, decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.errors import CudaError, CudaUnavailable, PoolError
-from pool.featurepool import FeaturePool
+from pool.featurepool import FeaturePool, lease_slots
 from pool.leases import Lease
 from pool.server import FabricHandoffServer, HandoffServer
 
@@ -126,10 +126,15 @@ class Engine:
     async def _start(self) -> None:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
+        # The encoder first: its output size sets how many lease slots the pool needs.
+        encoder = self._encoder
+        if encoder is None:
+            encoder = await asyncio.to_thread(self._build_encoder)
+        self.encoder = encoder
         backends, self.caps = build_backends(s, self.device)
         self.pool = FeaturePool(
             backends,
-            max_leases=s.max_leases,
+            max_leases=s.max_leases or self._lease_slots(backends),
             default_ttl_s=s.lease_ttl_s,
             max_ttl_s=s.max_lease_ttl_s,
             policy=s.fallback,
@@ -150,10 +155,6 @@ class Engine:
         )
         self.server.start()
         self._start_remote()
-        encoder = self._encoder
-        if encoder is None:
-            encoder = await asyncio.to_thread(self._build_encoder)
-        self.encoder = encoder
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
@@ -186,6 +187,15 @@ class Engine:
         )
         self.batcher.start()
         self.ready = True
+
+    def _lease_slots(self, backends: Sequence[Any]) -> int:
+        """--max-leases 0: enough slots that, at the encoder's (unpooled) feature size, every
+        tier and the inline bound run out of bytes before the slots run out."""
+        assert self.encoder is not None
+        rows, dim = self.encoder.output_shape
+        feature = rows * dim * self.encoder.dtype.itemsize
+        capacity = sum(sum(b.slab_sizes) for b in backends) + self.settings.inline_max_bytes
+        return lease_slots(capacity, feature)
 
     def _build_encoder(self) -> Encoder:
         s = self.settings

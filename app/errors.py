@@ -41,6 +41,7 @@ STATUS: dict[str, int] = {
     "invalid_tensor": 500,
     "cuda_error": 500,
     "pool_exhausted": 503,
+    "lease_slots_exhausted": 503,  # every slot taken while bytes were free: --max-leases
     "not_ready": 503,
     "gpu_out_of_memory": 503,  # the batch failed alone; the service lives on
     "cuda_unavailable": 503,
@@ -48,7 +49,14 @@ STATUS: dict[str, int] = {
 
 
 # Requests turned away before any work, counted in featpool_rejected_total{reason}.
-REJECTIONS = {"queue_full", "decode_busy", "not_ready", "pool_exhausted", "payload_too_large"}
+REJECTIONS = {
+    "queue_full",
+    "decode_busy",
+    "not_ready",
+    "pool_exhausted",
+    "lease_slots_exhausted",
+    "payload_too_large",
+}
 
 
 def count_rejection(request: Request, kind: str) -> None:

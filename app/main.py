@@ -1,4 +1,4 @@
-"""The app factory. Nothing heavy happens at import; the lifespan builds pool -> encoder ->
+"""The app factory. Nothing heavy happens at import; the lifespan builds encoder -> pool ->
 batcher before the first request and tears them down in reverse."""
 
 from __future__ import annotations

@@ -51,7 +51,12 @@ class Settings(BaseSettings):
         128 * MiB, gt=0, description="size of one slab (rounded to granularity)"
     )
     inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
-    max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
+    max_leases: int = Field(
+        0,
+        ge=0,
+        description="lease slots in the control block; 0: enough that the tiers' bytes run out "
+        "before the slots do at the encoder's feature size (at least 4096)",
+    )
     lease_ttl_s: float = Field(60.0, ge=MIN_TTL_S, description="default lease deadline")
     max_lease_ttl_s: float = Field(
         3600.0, ge=MIN_TTL_S, description="longest deadline a client may ask"
