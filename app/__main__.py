@@ -17,6 +17,7 @@ from pydantic_settings import CliApp, SettingsConfigDict
 from app import logs
 from app.backends import preflight
 from app.front import listen_shared, settings_env
+from app.http_protocol import http_protocol
 from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             create_app(settings),
             host=settings.host,
             port=settings.port,
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(
             app,
             fd=listener.fileno(),
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,

@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "lease_released": 410,
     "stale_lease": 410,
     "pool_restarted": 410,
+    "body_timeout": 408,
     "payload_too_large": 413,
     "image_too_large": 413,
     "too_many_images": 413,
@@ -56,6 +57,7 @@ REJECTIONS = {
     "pool_exhausted",
     "lease_slots_exhausted",
     "payload_too_large",
+    "body_timeout",
 }
 
 

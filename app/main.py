@@ -105,7 +105,12 @@ def create_app(
     app.include_router(encode_router)
     app.include_router(v1)
     app.include_router(ops)
-    app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        ServiceMiddleware,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     return app
 
 

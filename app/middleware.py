@@ -1,5 +1,7 @@
 """Pure-ASGI middleware: request IDs, request metrics, the body-size limit (enforced while
-the body streams in, so a chunked upload cannot get past it either), and hang-up detection: a
+the body streams in, so a chunked upload cannot get past it either), the body timeout (a body
+that sends nothing for ``body_timeout_s`` is answered 408 and its connection closed, which
+frees what it had sent), and hang-up detection: a
 client that disconnects after sending its body but before the answer starts has its handler
 cancelled, so that work queued for it is dropped and leases made for it are released at once
 instead of living until their TTL."""
@@ -15,10 +17,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.budget import HeapTrimmer
 from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
 
+TRIMMER = HeapTrimmer()  # one per process
 ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/pool", "/health", "/metrics")
 
 
@@ -36,11 +40,22 @@ class _BodyTooLargeError(Exception):
     pass
 
 
+class _BodyTimeoutError(Exception):
+    pass
+
+
 class ServiceMiddleware:
-    def __init__(self, app: ASGIApp, metrics: HttpMetrics, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: HttpMetrics,
+        max_body_bytes: int,
+        body_timeout_s: float | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +95,14 @@ class ServiceMiddleware:
 
         async def receive_wrapper() -> Message:
             nonlocal received, watcher
-            message = await receive()
+            if watcher is None and self.body_timeout_s is not None:
+                # Still reading the body: each piece must come within the timeout.
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                except TimeoutError:
+                    raise _BodyTimeoutError from None
+            else:
+                message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
@@ -111,6 +133,23 @@ class ServiceMiddleware:
                     "error": {
                         "type": "payload_too_large",
                         "message": f"request body exceeds {self.max_body_bytes} bytes",
+                    }
+                },
+            )
+        except _BodyTimeoutError:
+            if response_started:
+                raise
+            TRIMMER.request()  # what the stalled body had sent goes back to the system
+            status = 408
+            self.metrics.rejected.labels("body_timeout").inc()
+            await _send_json(
+                send_wrapper,
+                408,
+                {
+                    "error": {
+                        "type": "body_timeout",
+                        "message": f"the request body sent nothing for {self.body_timeout_s} s "
+                        f"(--body-timeout-s); {received} bytes had arrived",
                     }
                 },
             )

@@ -107,6 +107,16 @@ class Settings(BaseSettings):
 
     # Input limits
     max_body_bytes: int = Field(32 * MiB, gt=0, description="largest request body")
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request body that sends nothing for this long is answered 408 and "
+        "its connection closed",
+    )
+    max_url_bytes: int = Field(8192, gt=0, description="longest request URL; beyond -> 414")
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="largest request header block; beyond -> 431"
+    )
     max_image_bytes: int = Field(16 * MiB, gt=0, description="largest single image")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb limit")
     max_images_per_request: int = Field(64, gt=0, description="image parts per request")
