@@ -40,6 +40,7 @@ FORMATS = {
 ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
 NAMES = "JPEG (and MPO), PNG, WebP, GIF, BMP or TIFF"
 EXIF_ORIENTATION = 0x0112
+STRIP_BYTES = 4 << 20  # working copies of a 16-bit image are made this much at a time
 
 
 def check_content_type(content_type: str | None, what: str = "body") -> None:
@@ -204,9 +205,14 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     """16-bit and 32-bit integer grey as 8-bit grey: 16-bit scaled by 255/65535 (exactly
     ``v // 257``, in integers: no float copy of a large image), 32-bit by its maximum."""
     if im.mode.startswith("I;16"):
-        arr = np.array(im, dtype=np.uint16)
-        np.floor_divide(arr, 257, out=arr)
-        return Image.fromarray(arr.astype(np.uint8), "L")
+        # In strips of about STRIP_BYTES: numpy's view of a whole image would copy it twice.
+        w, h = im.size
+        out = np.empty((h, w), np.uint8)
+        rows = max(1, STRIP_BYTES // (2 * w))
+        for y in range(0, h, rows):
+            strip = np.asarray(im.crop((0, y, w, min(h, y + rows))), dtype=np.uint16)
+            out[y : y + rows] = strip // 257
+        return Image.fromarray(out, "L")
     if im.mode == "I":
         arr = np.asarray(im, dtype=np.float64)
         hi = max(float(arr.max()), 1.0)
