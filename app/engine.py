@@ -21,8 +21,9 @@ from app.encoders import build_encoder
 from app.encoders.base import Encoder
 from app.errors import ApiError
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import Header, decode, inspect
+from app.imaging import Header, decode, decode_upright, inspect
 from app.metrics import Metrics
+from app.preprocess import ImageSpec
 from app.settings import Settings
 from pool.errors import CudaError, CudaUnavailable, PoolError
 from pool.featurepool import FeaturePool, lease_slots
@@ -80,7 +81,9 @@ def is_sticky(e: BaseException) -> bool:
 class Job:
     label: str
     ttl_s: float | None
-    pixels: torch.Tensor | None = None  # [3, S, S] uint8 on the CPU (Pillow decoded it)
+    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing,
+    # [3, H, W] at full size, upright)
+    pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
@@ -112,6 +115,7 @@ class Engine:
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._mean = self._std = torch.empty(0)
+        self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -158,6 +162,7 @@ class Engine:
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
+        self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -312,9 +317,12 @@ class Engine:
                             dtype=dtype,
                         )
             todo = [i for i, j in enumerate(jobs) if j is None]
+            # With the model's own preprocessing the pixels stay at full size until their batch
+            # has run: their bytes are given back with the rest, after it.
+            shrinks = held if self._spec is None else None
             tasks = [
                 loop.run_in_executor(
-                    self.decoder, self._decode, *images[i], size, held, headers[i].decoded_bytes
+                    self.decoder, self._decode, *images[i], size, shrinks, headers[i].decoded_bytes
                 )
                 for i in todo
             ]
@@ -385,14 +393,23 @@ class Engine:
         t0 = time.perf_counter()
         s = self.settings
         try:
-            out = decode(
-                data,
-                size,
-                max_pixels=s.max_image_pixels,
-                max_bytes=s.max_image_bytes,
-                max_decoded_bytes=s.max_image_decoded_bytes,
-                label=label,
-            )
+            if self._spec is not None:  # the model's preprocessing runs on the device, full size
+                out = decode_upright(
+                    data,
+                    max_pixels=s.max_image_pixels,
+                    max_bytes=s.max_image_bytes,
+                    max_decoded_bytes=s.max_image_decoded_bytes,
+                    label=label,
+                )
+            else:
+                out = decode(
+                    data,
+                    size,
+                    max_pixels=s.max_image_pixels,
+                    max_bytes=s.max_image_bytes,
+                    max_decoded_bytes=s.max_image_decoded_bytes,
+                    label=label,
+                )
         finally:
             if held is not None:
                 held.release(nbytes)
@@ -403,7 +420,7 @@ class Engine:
         self, jobs: list[Job]
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
-        that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
+        that decoded: (their indices, [n, 3, S, S] normalised floats on the device, failures)."""
         assert self.encoder is not None
         size = self.encoder.image_size
         failed: dict[int, BaseException] = {}
@@ -431,6 +448,10 @@ class Engine:
         ok = sorted([*host, *on_gpu])
         if not ok:
             return ok, None, failed
+        if self._spec is not None:
+            images = [on_gpu[i] if i in on_gpu else self._to_device(host[i]) for i in ok]
+            orientations = [jobs[i].orientation if i in on_gpu else 1 for i in ok]
+            return ok, self._spec.apply(images, orientations), failed
         parts: list[tuple[list[int], torch.Tensor]] = []
         if on_gpu:
             g = sorted(on_gpu)
@@ -444,12 +465,18 @@ class Engine:
                 x = x.pin_memory().to(self.device, non_blocking=True)
             parts.append((h, x.float()))
         if len(parts) == 1:
-            return ok, parts[0][1], failed
-        x = torch.empty(len(ok), 3, size, size, device=self.device)
-        row = {i: r for r, i in enumerate(ok)}
-        for idx, part in parts:
-            x[torch.tensor([row[i] for i in idx], device=self.device)] = part
-        return ok, x, failed
+            x = parts[0][1]
+        else:
+            x = torch.empty(len(ok), 3, size, size, device=self.device)
+            row = {i: r for r, i in enumerate(ok)}
+            for idx, part in parts:
+                x[torch.tensor([row[i] for i in idx], device=self.device)] = part
+        return ok, (x - self._mean) / self._std, failed
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
@@ -464,7 +491,6 @@ class Engine:
             ]
             if x is None:
                 return results
-            x = (x - self._mean) / self._std
             start = self._event()
             chunks = self._forward_split(x)
             self._track(start, len(ok))

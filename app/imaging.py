@@ -201,6 +201,44 @@ def decode(
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
+def decode_upright(
+    data: bytes,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    max_decoded_bytes: int | None = None,
+    label: str = "image",
+) -> torch.Tensor:
+    """Decode at full size to ``[3, H, W]`` uint8, as transformers turns a file into the image
+    its processor sees: EXIF orientation applied (``transformers.image_utils.load_image``), then
+    ``convert_to_rgb``. What follows (resize, crop, ...) is the model's ``app.preprocess``."""
+    with _image_errors(label):
+        im = _open(
+            data,
+            max_pixels=max_pixels,
+            max_bytes=max_bytes,
+            max_decoded_bytes=max_decoded_bytes,
+            label=label,
+        )
+        im.load()
+        ImageOps.exif_transpose(im, in_place=True)  # no copy when it is upright already
+        rgb = to_rgb_as_transformers(im)
+        del im
+        arr = np.array(rgb, dtype=np.uint8)  # one copy, writable: torch takes it as it is
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+def to_rgb_as_transformers(im: Image.Image) -> Image.Image:
+    """transformers' ``convert_to_rgb`` (5.2x): transparency composited onto white, everything
+    else through Pillow's ``convert("RGB")`` (which saturates 16-bit values at 255, unlike
+    ``_to_8bit`` below; matching the model's processor wins here)."""
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")  # convert() would copy an RGB image
+
+
 def _to_8bit(im: Image.Image) -> Image.Image:
     """16-bit and 32-bit integer grey as 8-bit grey: 16-bit scaled by 255/65535 (exactly
     ``v // 257``, in integers: no float copy of a large image), 32-bit by its maximum."""
