@@ -1,5 +1,6 @@
 """The engine: pool, hand-off server, encoder and batcher, built and torn down in order. Routes
-reach it through ``app.state.engine``; tests build it with a fake encoder."""
+reach it only through ``app.engine_client.EngineClient`` (``app.inprocess`` in this process);
+tests build it with a fake encoder."""
 
 from __future__ import annotations
 
@@ -8,20 +9,20 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from app.admission import BoundedExecutor
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
-from app.budget import DecodedBytesBudget, Reservation, reserve
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
+from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import Header, decode, decode_upright, inspect
+from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec
 from app.settings import Settings
@@ -105,12 +106,10 @@ class Engine:
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
-        self.decoder = ThreadPoolExecutor(
-            settings.decode_workers, thread_name_prefix="featpool-decode"
+        # Bounded like admission: admitted images never find it full; anything else does.
+        self.decoder = BoundedExecutor(
+            settings.decode_workers, settings.queue_size, "featpool-decode"
         )
-        # Decoded bytes of the images being decoded, across requests (app/budget.py).
-        self.decoded_budget = DecodedBytesBudget(settings.max_decoded_bytes_in_flight)
-        metrics.decoded_bytes_in_flight.set_function(lambda: float(self.decoded_budget.in_use))
         self.ready = False
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
@@ -267,20 +266,21 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.pool.close()
-        self.decoder.shutdown(wait=False, cancel_futures=True)
+        self.decoder.shutdown()
 
     # ---- the encode path -------------------------------------------------------------------
 
     async def encode(
         self,
-        images: Sequence[tuple[str, bytes]],
+        images: Sequence[ImageIn],
         ttl_s: float | None,
         *,
         pooled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> list[Lease]:
-        """Validate, decode, batch, encode and publish; all or nothing: on any failure no
-        lease remains. Every image is validated before any is queued."""
+        """Decode, batch, encode and publish; all or nothing: on any failure no lease remains.
+        Every image is decoded (or, for nvJPEG, its header checked) before any is queued. The
+        caller holds an admission permit for these images (app/admission.py)."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.dead_reason:
@@ -291,128 +291,74 @@ class Engine:
             except ValueError as e:
                 raise ApiError("validation_error", str(e)) from None
         size = self.encoder.image_size
-        loop = asyncio.get_running_loop()
+        # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
+        jobs: list[Job | None] = [
+            Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
+            if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
+            else None
+            for img in images
+        ]
+        todo = [i for i, j in enumerate(jobs) if j is None]
         try:
-            # Every header before any pixel: the per-image limits, then the request's decoded
-            # bytes against its own limit and against what other requests are decoding now.
-            headers = await loop.run_in_executor(self.decoder, self._inspect_all, images)
-            held = self._reserve_decoded(headers)
-        except ApiError:
-            self.metrics.images.labels("rejected").inc(len(images))
-            raise
-        try:
-            jobs: list[Job | None] = [None] * len(images)
-            # JPEGs for nvJPEG are decoded on the GPU in batches; their bytes stay held until
-            # the batch is done. The others are decoded here, each giving its bytes back as
-            # soon as its pixels are down to the encoder's input size.
-            if self.jpeg is not None:
-                for i, h in enumerate(headers):
-                    if h.gpu_jpeg:
-                        jobs[i] = Job(
-                            images[i][0],
-                            ttl_s,
-                            jpeg=images[i][1],
-                            orientation=h.orientation,
-                            pooled=pooled,
-                            dtype=dtype,
-                        )
-            todo = [i for i, j in enumerate(jobs) if j is None]
-            # With the model's own preprocessing the pixels stay at full size until their batch
-            # has run: their bytes are given back with the rest, after it.
-            shrinks = held if self._spec is None else None
+            # Off the event loop, on the bounded decode pool: a header can take seconds to
+            # parse (a JPEG full of empty markers), a decode longer.
             tasks = [
-                loop.run_in_executor(
-                    self.decoder, self._decode, *images[i], size, shrinks, headers[i].decoded_bytes
-                )
+                asyncio.ensure_future(self.decoder.run(self._prepare, images[i], size))
                 for i in todo
             ]
             try:
-                for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
-                    jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
-            except ApiError:
-                self.metrics.images.labels("rejected").inc(len(images))
-                raise
+                for i, done in zip(todo, await asyncio.gather(*tasks), strict=True):
+                    jobs[i] = done
             except BaseException:
-                for t in tasks:
+                for t in tasks:  # the ones not started yet are dropped from the pool's queue
                     t.cancel()
                 raise
-            leases = await self.batcher.submit([j for j in jobs if j is not None])
-        finally:
-            held.close()
+        except ApiError:
+            self.metrics.images.labels("rejected").inc(len(images))
+            raise
+        ready = [j for j in jobs if j is not None]
+        for j in ready:
+            j.ttl_s, j.pooled, j.dtype = ttl_s, pooled, dtype
+        leases = await self.batcher.submit(ready)
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
-    def _inspect_all(self, images: Sequence[tuple[str, bytes]]) -> list[Header]:
+    def _prepare(self, img: ImageIn, size: int) -> Job:
+        """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its
+        header already parsed at the entrance); anything else is decoded here by Pillow."""
         s = self.settings
-        return [
-            inspect(
+        if self.jpeg is not None and img.data[:3] == b"\xff\xd8\xff":
+            h = img.header or inspect(
+                img.data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=img.label,
+            )
+            if h.gpu_jpeg:
+                return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
+        return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
+
+    def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        s = self.settings
+        if self._spec is not None:  # the model's preprocessing runs on the device, full size
+            out = decode_upright(
                 data,
                 max_pixels=s.max_image_pixels,
                 max_bytes=s.max_image_bytes,
                 max_decoded_bytes=s.max_image_decoded_bytes,
                 label=label,
             )
-            for label, data in images
-        ]
-
-    def _reserve_decoded(self, headers: Sequence[Header]) -> Reservation:
-        """The request's decoded bytes from the shared budget: 413 if more than one request
-        may decode, 429 if other requests hold too much of the budget now."""
-        total = sum(h.decoded_bytes for h in headers)
-        limit = min(self.settings.max_request_decoded_bytes, self.decoded_budget.capacity)
-        if total > limit:
-            flag = (
-                "--max-request-decoded-bytes"
-                if limit == self.settings.max_request_decoded_bytes
-                else "--max-decoded-bytes-in-flight"
+        else:
+            out = decode(
+                data,
+                size,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
             )
-            raise ApiError(
-                "payload_too_large",
-                f"the request's {len(headers)} image(s) decode to {total} bytes; "
-                f"the limit is {limit} ({flag})",
-            )
-        held = reserve(self.decoded_budget, total)
-        if held is None:
-            raise ApiError(
-                "decode_busy",
-                f"other requests are decoding {self.decoded_budget.in_use} bytes; this one "
-                f"needs {total} more (limit {self.decoded_budget.capacity})",
-                headers={"Retry-After": "1"},
-            )
-        return held
-
-    def _decode(
-        self,
-        label: str,
-        data: bytes,
-        size: int,
-        held: Reservation | None = None,
-        nbytes: int = 0,
-    ) -> torch.Tensor:
-        """Pillow decode of one image; then its decoded bytes go back to the budget."""
-        t0 = time.perf_counter()
-        s = self.settings
-        try:
-            if self._spec is not None:  # the model's preprocessing runs on the device, full size
-                out = decode_upright(
-                    data,
-                    max_pixels=s.max_image_pixels,
-                    max_bytes=s.max_image_bytes,
-                    max_decoded_bytes=s.max_image_decoded_bytes,
-                    label=label,
-                )
-            else:
-                out = decode(
-                    data,
-                    size,
-                    max_pixels=s.max_image_pixels,
-                    max_bytes=s.max_image_bytes,
-                    max_decoded_bytes=s.max_image_decoded_bytes,
-                    label=label,
-                )
-        finally:
-            if held is not None:
-                held.release(nbytes)
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 

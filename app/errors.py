@@ -36,7 +36,6 @@ STATUS: dict[str, int] = {
     "unsupported_media_type": 415,
     "validation_error": 422,
     "queue_full": 429,
-    "decode_busy": 429,  # the decoded-bytes budget is held by other requests
     "client_disconnected": 499,  # nginx's code: the client hung up before the answer
     "internal_error": 500,
     "invalid_tensor": 500,
@@ -52,7 +51,6 @@ STATUS: dict[str, int] = {
 # Requests turned away before any work, counted in featpool_rejected_total{reason}.
 REJECTIONS = {
     "queue_full",
-    "decode_busy",
     "not_ready",
     "pool_exhausted",
     "lease_slots_exhausted",

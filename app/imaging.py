@@ -18,15 +18,18 @@ from __future__ import annotations
 import io
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
+
+if TYPE_CHECKING:  # imported when a decode needs it (_chw): front processes parse headers only
+    import torch
 
 FORMATS = {
     "JPEG": "image/jpeg",
@@ -87,6 +90,18 @@ def decoded_bytes(im: Image.Image) -> int:
         raw = tile[0].args if tile else None
         sample = 2 if isinstance(raw, str) and ";16" in raw else 1
     return w * h * channels * sample
+
+
+def request_decoded_bytes(headers: Sequence[Header], limit: int) -> int:
+    """The decoded bytes of a request's images, or 413 if they are more than ``limit``."""
+    total = sum(h.decoded_bytes for h in headers)
+    if total > limit:
+        raise ApiError(
+            "payload_too_large",
+            f"the request's {len(headers)} image(s) decode to {total} bytes; the limit is "
+            f"{limit} (--max-request-decoded-bytes)",
+        )
+    return total
 
 
 @contextmanager
@@ -197,8 +212,7 @@ def decode(
             rgb = ImageOps.fit(im, (size, size), Image.Resampling.BICUBIC).convert("RGB")
         else:
             rgb = ImageOps.fit(_to_rgb(im), (size, size), Image.Resampling.BICUBIC)
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    return _chw(rgb)
 
 
 def decode_upright(
@@ -224,7 +238,15 @@ def decode_upright(
         ImageOps.exif_transpose(im, in_place=True)  # no copy when it is upright already
         rgb = to_rgb_as_transformers(im)
         del im
-        arr = np.array(rgb, dtype=np.uint8)  # one copy, writable: torch takes it as it is
+    return _chw(rgb)
+
+
+def _chw(rgb: Image.Image) -> torch.Tensor:
+    """``[3, H, W]`` uint8. torch is imported here, not at the top: front processes import
+    this module for ``inspect`` and must not load torch."""
+    import torch
+
+    arr = np.array(rgb, dtype=np.uint8)  # one copy, writable: torch takes it as it is
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 

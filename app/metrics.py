@@ -146,6 +146,13 @@ class HttpMetrics:
         self.rejected = Counter(
             "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
         )
+        self.admission = Counter(
+            "featpool_admission_images",
+            "Images of encode requests at the entrance: admitted, refused (429: no room), invalid "
+            "(refused at the header, before the engine: not an image, over a limit)",
+            ["outcome"],
+            registry=r,
+        )
 
 
 class Metrics(HttpMetrics):
@@ -199,9 +206,14 @@ class Metrics(HttpMetrics):
             "featpool_queue_depth", "Images waiting for the encoder", registry=r
         )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
-        self.decoded_bytes_in_flight = Gauge(
-            "featpool_decoded_bytes_in_flight",
-            "Decoded bytes of images being decoded now (--max-decoded-bytes-in-flight)",
+        self.admitted_images = Gauge(
+            "featpool_admission_in_flight_images",
+            "Images holding an admission permit (being inspected, decoded, queued or encoded)",
+            registry=r,
+        )
+        self.admitted_bytes = Gauge(
+            "featpool_admission_in_flight_decoded_bytes",
+            "Decoded bytes (from the headers) of the images holding an admission permit",
             registry=r,
         )
 

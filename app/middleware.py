@@ -11,18 +11,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.budget import HeapTrimmer
 from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
 
-TRIMMER = HeapTrimmer()  # one per process
 ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/pool", "/health", "/metrics")
 
 
@@ -184,3 +184,55 @@ async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
         }
     )
     await send({"type": "http.response.body", "body": data})
+
+
+class HeapTrimmer:
+    """Gives freed heap memory back to the system (glibc ``malloc_trim``) after a burst of
+    large, short-lived buffers, such as bodies cut off by a timeout. Python frees them, but
+    glibc keeps the pages: RSS stayed ~170 MiB up after 40 stalled 5 MiB uploads had been
+    answered. Trims run on a thread of their own (ctypes lets go of the GIL), one at a time,
+    at most one every ``interval_s``, the last one after the burst has ended."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._running = False
+        self._trim = _malloc_trim()
+        self.trims = 0
+
+    def request(self) -> None:
+        if self._trim is None:
+            return
+        with self._lock:
+            self._wanted = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="featpool-trim", daemon=True).start()
+
+    def _run(self) -> None:
+        import time
+
+        assert self._trim is not None
+        while True:
+            time.sleep(self.interval_s)  # let the burst free what it holds first
+            with self._lock:
+                if not self._wanted:
+                    self._running = False
+                    return
+                self._wanted = False
+            self._trim(0)
+            self.trims += 1
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
+        return None
+
+
+TRIMMER = HeapTrimmer()  # one per process

@@ -40,7 +40,7 @@ def gpu_name() -> str:
 
 
 class AppServer:
-    """``python -m app --port PORT *args``; its output goes to ``log``."""
+    """``python -m app --port PORT *args`` run in ``root``; its output goes to ``log``."""
 
     def __init__(
         self,
@@ -59,7 +59,7 @@ class AppServer:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 self.cmd,
-                cwd=root,  # another checkout (a baseline) runs its own code
+                cwd=root,  # another checkout's server, for a same-run baseline
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

@@ -27,7 +27,7 @@ import torch
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
-from pool.descriptor import LeaseDescriptor
+from pool.descriptor import MIN_TTL_S, LeaseDescriptor
 from pool.errors import (
     InvalidTensor,
     PoolError,
@@ -36,7 +36,7 @@ from pool.errors import (
     StaleLease,
     TensorTooLarge,
 )
-from pool.leases import MIN_TTL_S, Lease, LeaseState, LeaseTable
+from pool.leases import Lease, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,6 @@ from pool.allocator import Extent
 from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, SlotsExhausted
 
 GEN_MAX = 2**32 - 1  # generations are u32 words in the control block; 0 means "never used"
-# The shortest lease deadline anyone may ask for: below it a lease would expire before its
-# descriptor reached the client (?ttl_s=1e-300 used to answer 200 with an expired lease).
-MIN_TTL_S = 0.01
 
 
 class LeaseState(StrEnum):

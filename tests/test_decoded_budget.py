@@ -1,11 +1,11 @@
 """Decoded bytes (width x height x channels x bytes per sample, 16-bit counted) bounded per
-image, per request and across requests in flight, refused before any pixel is decoded; and
-the decode's own working memory kept close to that count."""
+image and per request, refused before any pixel is decoded (across requests in flight the
+admission permit bounds them: tests/test_entrance.py); and the decode's own working memory
+kept close to that count."""
 
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +16,6 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
 
 import app.engine
-from app.budget import DecodedBytesBudget, reserve
 from app.imaging import decode, decoded_bytes, inspect
 from bench.make_images import png16, upscaled_photo
 from tests.conftest import occupancy
@@ -87,32 +86,6 @@ def test_leaner_decode_gives_the_same_pixels(kind: str) -> None:
     assert np.array_equal(got, want)
 
 
-def test_budget_is_all_or_nothing_and_thread_safe() -> None:
-    budget = DecodedBytesBudget(1000)
-    assert budget.try_acquire(600) and not budget.try_acquire(401) and budget.in_use == 600
-    held = reserve(budget, 400)
-    assert held is not None and reserve(budget, 1) is None
-    held.release(150)
-    held.close()
-    held.close()  # twice gives nothing back twice
-    budget.release(600)
-    assert budget.in_use == 0
-    with pytest.raises(ValueError):
-        budget.release(1)
-
-    def churn() -> None:
-        for _ in range(2000):
-            if budget.try_acquire(7):
-                budget.release(7)
-
-    threads = [threading.Thread(target=churn) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert budget.in_use == 0
-
-
 # ---- through the HTTP stack ------------------------------------------------------------------
 
 GREY = png16(upscaled_photo(200, grey=True))  # 80,000 decoded bytes each
@@ -140,11 +113,7 @@ def test_hostile_request_is_413_before_any_decode(
     make_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The issue's request scaled down: four 16-bit PNGs, each within the pixel cap."""
-    client = make_client(
-        max_image_decoded_bytes=200_000,
-        max_request_decoded_bytes=250_000,
-        max_decoded_bytes_in_flight=1_000_000,
-    )
+    client = make_client(max_image_decoded_bytes=200_000, max_request_decoded_bytes=250_000)
     decodes = _count_decodes(monkeypatch)
     r = post(client, GREY, GREY, GREY, GREY)
     assert r.status_code == 413, r.text
@@ -156,44 +125,17 @@ def test_hostile_request_is_413_before_any_decode(
     assert decodes == []
     assert post(client, GREY, GREY, GREY).status_code == 200  # 240,000: within both
     assert len(decodes) == 3
-    engine = client.app.state.engine  # type: ignore[attr-defined]
-    assert engine.decoded_budget.in_use == 0
+    assert client.app.state.admission.bytes == 0  # type: ignore[attr-defined]
     metrics = client.get("/metrics").text
     assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
-    assert "featpool_decoded_bytes_in_flight 0.0" in metrics
 
 
-def test_budget_held_by_others_is_429_with_retry_after(
-    make_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    client = make_client(max_request_decoded_bytes=250_000, max_decoded_bytes_in_flight=300_000)
-    engine = client.app.state.engine  # type: ignore[attr-defined]
-    decodes = _count_decodes(monkeypatch)
-    assert engine.decoded_budget.try_acquire(100_000)  # another request decoding now
-    r = post(client, GREY, GREY, GREY)  # 240,000 would make 340,000
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["type"] == "decode_busy" and decodes == []
-    assert "featpool_decoded_bytes_in_flight 100000.0" in client.get("/metrics").text
-    engine.decoded_budget.release(100_000)
-    r = post(client, GREY, GREY, GREY)
-    assert r.status_code == 200 and len(decodes) == 3
-    for item in r.json()["items"]:
-        client.delete(f"/v1/leases/{item['lease_id']}")
-    assert engine.decoded_budget.in_use == 0 and occupancy(client) == (0, 0)
-
-
-def test_request_larger_than_the_in_flight_budget_is_413(
+def test_decoded_bytes_are_given_back_when_a_decode_fails(
     make_client: Callable[..., TestClient],
 ) -> None:
-    client = make_client(max_request_decoded_bytes=1_000_000, max_decoded_bytes_in_flight=200_000)
-    r = post(client, GREY, GREY, GREY)
-    assert r.status_code == 413 and "--max-decoded-bytes-in-flight" in r.text
-
-
-def test_budget_comes_back_when_a_decode_fails(make_client: Callable[..., TestClient]) -> None:
     client = make_client()
-    engine = client.app.state.engine  # type: ignore[attr-defined]
     truncated = GREY[: len(GREY) // 2] + GREY[-12:]  # header fine, pixels cut short
     r = post(client, GREY, truncated)
     assert r.status_code == 400, r.text
-    assert engine.decoded_budget.in_use == 0 and occupancy(client) == (0, 0)
+    assert client.app.state.admission.bytes == 0  # type: ignore[attr-defined]
+    assert occupancy(client) == (0, 0)

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from app.encoders import build_encoder
 from app.engine import cuda_error_code, is_out_of_memory, is_sticky
+from app.engine_client import ImageIn
 from app.main import create_app
 from pool.errors import CudaError
 from tests.conftest import image_bytes, occupancy
@@ -203,8 +204,8 @@ def test_publish_error_in_one_group_keeps_the_others_and_leaks_nothing(tmp_path:
 
             backend.publish = second_fails
             done = await asyncio.gather(
-                engine.encode([("a", JPEG), ("b", JPEG)], 100.0),
-                engine.encode([("c", JPEG), ("d", JPEG)], 200.0),
+                engine.encode([ImageIn("a", JPEG, None), ImageIn("b", JPEG, None)], 100.0),
+                engine.encode([ImageIn("c", JPEG, None), ImageIn("d", JPEG, None)], 200.0),
                 return_exceptions=True,
             )
             stats = engine.pool.stats()

@@ -14,8 +14,8 @@ from PIL import Image
 from safetensors.torch import load
 
 from app.imaging import decode, inspect
+from pool.descriptor import MIN_TTL_S
 from pool.featurepool import FeaturePool
-from pool.leases import MIN_TTL_S
 from tests.conftest import occupancy
 
 LIMITS = {"max_pixels": 40_000_000, "max_bytes": 64 << 20}
