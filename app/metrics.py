@@ -124,6 +124,26 @@ class PoolCollector(Collector):
             "Tensors refused because every lease slot was in use (bytes may have been free)",
             value=s.get("slot_exhaustions", 0),
         )
+        quarantine = CounterMetricFamily(
+            "featpool_lease_quarantine",
+            "Leases whose memory was kept after they ended because a consumer still had them "
+            "open (held), and how each hold ended (released: every opener acked or detached; "
+            "timed_out: reused after the quarantine limit)",
+            labels=["outcome"],
+        )
+        for outcome in ("held", "released", "timed_out"):
+            quarantine.add_metric([outcome], s.get("quarantine", {}).get(outcome, 0))
+        yield quarantine
+        yield GaugeMetricFamily(
+            "featpool_quarantined_leases",
+            "Ended leases whose memory is held for consumers that opened them",
+            value=s.get("quarantined_leases", 0),
+        )
+        yield GaugeMetricFamily(
+            "featpool_quarantined_bytes",
+            "Bytes held by quarantined leases (counted in featpool_pool_used_bytes too)",
+            value=s.get("quarantined_bytes", 0),
+        )
 
 
 class HttpMetrics:
