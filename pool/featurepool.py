@@ -305,10 +305,13 @@ class FeaturePool:
         return tiers if self.policy == "fallback" else tiers[:1]
 
     def _reserve(
-        self, tensor: torch.Tensor, nbytes: int, ttl: float, deadline: float
+        self, tensor: torch.Tensor, nbytes: int, ttl: float, deadline: float | None = None
     ) -> tuple[Lease, Tier | None]:
-        """A lease (slot and storage) for ``tensor``, waiting until ``deadline`` under the
-        ``wait`` policy; the storage is filled by the caller, outside the lock."""
+        """A lease (slot and storage) for ``tensor``, waiting until ``deadline`` (a batch's,
+        or this tensor's own) under the ``wait`` policy; the caller fills the storage,
+        outside the lock."""
+        if deadline is None:
+            deadline = self._deadline()
         candidates = self._candidates(tensor)
         if (
             candidates
