@@ -10,22 +10,22 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
-from app.encoders.base import Encoder
+from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.errors import ApiError
-from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import decode, inspect
+from app.gpu_decode import JpegDecoder, orient, preprocess
+from app.imaging import decode, decode_full, inspect
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.errors import CudaUnavailable, PoolError
 from pool.featurepool import FeaturePool
-from pool.leases import Lease
+from pool.leases import ImageGrid, Lease
 from pool.server import FabricHandoffServer, HandoffServer
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU 
 class Job:
     label: str
     ttl_s: float | None
-    pixels: torch.Tensor | None = None  # [3, S, S] uint8 on the CPU (Pillow decoded it)
+    # [3, S, S] uint8 on the CPU (Pillow decoded it); [3, H, W] for a dynamic encoder
+    pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
@@ -46,7 +47,10 @@ class Job:
 
 class Engine:
     def __init__(
-        self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        encoder: Encoder | DynamicEncoder | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -56,7 +60,7 @@ class Engine:
         self.pool: FeaturePool | None = None
         self.server: HandoffServer | None = None
         self.fabric_server: FabricHandoffServer | None = None
-        self.encoder: Encoder | None = None
+        self.encoder: Encoder | DynamicEncoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
         self.decoder = ThreadPoolExecutor(
@@ -109,8 +113,10 @@ class Engine:
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
-        self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
-        self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
+        if not is_dynamic(encoder):  # a dynamic encoder normalises by its own processor
+            fixed = cast(Encoder, encoder)
+            self._mean = torch.tensor(fixed.mean, device=self.device).view(1, 3, 1, 1) * 255
+            self._std = torch.tensor(fixed.std, device=self.device).view(1, 3, 1, 1) * 255
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -118,7 +124,7 @@ class Engine:
             and self.device.type == "cuda"
         )
         if graphs:
-            encoder.enable_cuda_graphs()  # type: ignore[attr-defined]
+            encoder.enable_cuda_graphs()  # type: ignore[union-attr]
         if (
             (s.encoder_compile or graphs)
             and self.device.type == "cuda"
@@ -141,7 +147,7 @@ class Engine:
         self.batcher.start()
         self.ready = True
 
-    def _build_encoder(self) -> Encoder:
+    def _build_encoder(self) -> Encoder | DynamicEncoder:
         s = self.settings
         dtype = None if s.dtype == "auto" else getattr(torch, s.dtype)
         return build_encoder(
@@ -225,7 +231,8 @@ class Engine:
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
         s = self.settings
-        size = self.encoder.image_size
+        # A dynamic encoder takes each image at its full size and resizes it by its own rule.
+        size = None if is_dynamic(self.encoder) else self.encoder.image_size  # type: ignore[union-attr]
         jobs: list[Job | None] = [None] * len(images)
         try:
             if self.jpeg is not None:
@@ -267,11 +274,14 @@ class Engine:
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
-    def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
+    def _decode(self, label: str, data: bytes, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        out = decode(
-            data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+        limits = dict(max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label)
+        out = (
+            decode_full(data, **limits)  # type: ignore[arg-type]
+            if size is None
+            else decode(data, size, **limits)  # type: ignore[arg-type]
         )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
@@ -281,8 +291,8 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
         that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
-        assert self.encoder is not None
-        size = self.encoder.image_size
+        assert self.encoder is not None and not is_dynamic(self.encoder)
+        size = cast(Encoder, self.encoder).image_size
         failed: dict[int, BaseException] = {}
         host: dict[int, torch.Tensor] = {
             i: j.pixels for i, j in enumerate(jobs) if j.pixels is not None
@@ -333,6 +343,9 @@ class Engine:
         An image that cannot be decoded fails alone; a CUDA error fails the batch and marks
         the service not live."""
         assert self.encoder is not None and self.pool is not None
+        if is_dynamic(self.encoder):
+            return self._run_dynamic(jobs, cast(DynamicEncoder, self.encoder))
+        encoder = cast(Encoder, self.encoder)
         try:
             ok, x, failed = self._pixels(jobs)
             results: list[Lease | BaseException] = [
@@ -346,24 +359,96 @@ class Engine:
             pad = next((b for b in self._buckets if b >= n), n) - n
             if pad:
                 x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-            feats = self.encoder.encode(x)[:n]
+            feats = encoder.encode(x)[:n]
             self._track(start, len(ok))
             pooled = feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None
         except RuntimeError as e:
             self._check_cuda(e, "the encoder")
             return [e] * len(jobs)
-        # Publish per TTL (jobs of one request share theirs): one put_many each, so the GPU
-        # tier copies the whole group with one launch.
-        groups: dict[float | None, list[tuple[int, torch.Tensor]]] = {}
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
         for row, i in enumerate(ok):
             job = jobs[i]
             f = pooled[row] if job.pooled and pooled is not None else feats[row]
-            groups.setdefault(job.ttl_s, []).append((i, f.to(job.dtype or self.encoder.dtype)))
+            out[i] = (f.to(job.dtype or encoder.dtype), None)
+        return self._publish(jobs, out, results)
+
+    def _run_dynamic(self, jobs: list[Job], encoder: DynamicEncoder) -> list[Lease | BaseException]:
+        """``_run_batch`` for a dynamic-resolution encoder: every image keeps its own size
+        and its own number of tokens; the encoder packs them into one forward."""
+        try:
+            images, failed = self._images(jobs, encoder)
+            results: list[Lease | BaseException] = [
+                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
+            ]
+            ok = sorted(images)
+            if not ok:
+                return results
+            start = self._event()
+            encoded = encoder.encode_images([images[i] for i in ok])
+            self._track(start, len(ok))
+        except RuntimeError as e:
+            self._check_cuda(e, "the encoder")
+            return [e] * len(jobs)
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
+        for i, (feats, (t, h, w)) in zip(ok, encoded, strict=True):
+            job = jobs[i]
+            f = feats.float().mean(0) if job.pooled else feats
+            out[i] = (f.to(job.dtype or encoder.dtype), ImageGrid(t, h, w, int(feats.shape[0])))
+        return self._publish(jobs, out, results)
+
+    def _images(
+        self, jobs: list[Job], encoder: DynamicEncoder
+    ) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
+        """Each job's upright RGB ``[3, H, W]`` uint8 on the device (nvJPEG decodes what is
+        still encoded, batched), and the failures: undecodable, or a shape the model refuses."""
+        failed: dict[int, BaseException] = {}
+        images: dict[int, torch.Tensor] = {}
+        gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
+        if gpu_idx:
+            assert self.jpeg is not None
+            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
+            for i, decoded in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
+                if isinstance(decoded, torch.Tensor):
+                    images[i] = orient(decoded, jobs[i].orientation)
+                    continue
+                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, decoded)
+                try:
+                    jobs[i].pixels = self._decode(jobs[i].label, jobs[i].jpeg, None)
+                except ApiError as e:
+                    failed[i] = e
+        for i, job in enumerate(jobs):
+            if job.pixels is not None and i not in failed:
+                x = job.pixels
+                if self.device.type == "cuda":
+                    x = x.pin_memory().to(self.device, non_blocking=True)
+                images[i] = x
+        for i, x in list(images.items()):
+            try:
+                encoder.grid(int(x.shape[-2]), int(x.shape[-1]))
+            except ValueError as e:
+                failed[i] = ApiError("invalid_image", f"{jobs[i].label}: {e}")
+                del images[i]
+        return images, failed
+
+    def _publish(
+        self,
+        jobs: list[Job],
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]],
+        results: list[Lease | BaseException],
+    ) -> list[Lease | BaseException]:
+        """Publish each job's features (and image grid) into the pool. Per TTL (jobs of one
+        request share theirs): one put_many each, so the GPU tier copies the whole group with
+        one launch."""
+        assert self.pool is not None
+        groups: dict[float | None, list[tuple[int, torch.Tensor, ImageGrid | None]]]
+        groups = {}
+        for i, (f, grid) in out.items():
+            groups.setdefault(jobs[i].ttl_s, []).append((i, f, grid))
         for ttl, members in groups.items():
             t0 = time.perf_counter()
             try:
                 placed: list[Lease | BaseException] = list(
-                    self.pool.put_many([f for _, f in members], ttl)
+                    self.pool.put_many([f for _, f, _ in members], ttl, [g for _, _, g in members])
                 )
             except ValueError as e:
                 placed = [e] * len(members)
@@ -371,7 +456,7 @@ class Engine:
                 self._check_cuda(e, "publishing")
                 placed = [e] * len(members)
             per_lease = (time.perf_counter() - t0) / len(members)
-            for (i, _), result in zip(members, placed, strict=True):
+            for (i, _, _), result in zip(members, placed, strict=True):
                 results[i] = result
                 self.metrics.publish_seconds.observe(per_lease)
         return results

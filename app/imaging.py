@@ -129,6 +129,19 @@ def decode(
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
+def decode_full(
+    data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image"
+) -> torch.Tensor:
+    """Decode, orient and convert to RGB at full resolution (for dynamic-resolution encoders,
+    which resize by their own rule): ``[3, H, W]`` uint8."""
+    with _image_errors(label):
+        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
+        im.load()
+        rgb = _to_rgb(ImageOps.exif_transpose(im))
+    arr = np.asarray(rgb, dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode in ("I;16", "I;16B", "I;16L", "I"):
         arr = np.asarray(im, dtype=np.float64)

@@ -54,6 +54,16 @@ class LeaseOut(BaseModel):
     nbytes: int
     shape: list[int]
     dtype: str
+    grid_thw: list[int] | None = Field(
+        None,
+        description="dynamic-resolution encoders (Qwen2-VL): the image grid (t, h, w) in "
+        "patches; null for fixed-size encoders",
+    )
+    tokens: int | None = Field(
+        None,
+        description="dynamic-resolution encoders: the image's token count, t*h*w/merge^2 (the "
+        "first dimension of shape unless pooled); null for fixed-size encoders",
+    )
     slot: int
     generation: int
     created_at: float

@@ -25,7 +25,7 @@ from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
 from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
-from pool.leases import Lease, LeaseState, LeaseTable
+from pool.leases import ImageGrid, Lease, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +143,32 @@ class FeaturePool:
         return lease
 
     def put_many(
-        self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        ttl_s: float | None = None,
+        grids: Sequence[ImageGrid | None] | None = None,
     ) -> list[Lease | PoolError]:
         """``put`` for a batch: one result per tensor, a lease or the error that tensor met.
 
         A backend with ``publish_many`` publishes the whole batch in one go (on the GPU: one
         copy launch for every tensor), which keeps host time per lease low when the Python
-        process is busy with other threads. A bad TTL raises ValueError for all.
+        process is busy with other threads. A bad TTL raises ValueError for all. ``grids``
+        gives each tensor's image grid, for its descriptor.
         """
         ttl = self.clamp_ttl(ttl_s)
+        if grids is not None and len(grids) != len(tensors):
+            raise ValueError(f"{len(grids)} grids for {len(tensors)} tensors")
         results: list[Lease | PoolError] = []
         placed: dict[str, list[tuple[Lease, torch.Tensor]]] = {}  # by tier name
-        for given in tensors:
+        for n, given in enumerate(tensors):
             try:
                 tensor = self._checked(given)
                 lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
             except PoolError as e:
                 results.append(e)
                 continue
+            if grids is not None:
+                lease.grid = grids[n]
             results.append(lease)
             if tier is not None:
                 placed.setdefault(tier.name, []).append((lease, tensor))
@@ -378,6 +386,8 @@ class FeaturePool:
             "nbytes": lease.nbytes,
             "shape": list(lease.shape),
             "dtype": lease.dtype,
+            "grid_thw": [g.t, g.h, g.w] if (g := lease.grid) else None,
+            "tokens": g.tokens if g else None,
             "slot": lease.slot,
             "generation": lease.generation,
             "created_at": lease.created_at,

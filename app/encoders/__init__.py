@@ -7,25 +7,29 @@ tower from a local directory (optional extra `hf`).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
-from app.encoders.base import Encoder, ModuleEncoder, default_dtype
+from app.encoders.base import DynamicEncoder, Encoder, ModuleEncoder, default_dtype, is_dynamic
 from app.encoders.vit import PRESETS, ViTConfig, ViTEncoder
 
 __all__ = [
     "HF_PREFIX",
     "PRESETS",
+    "DynamicEncoder",
     "Encoder",
     "ModuleEncoder",
     "ViTConfig",
     "ViTEncoder",
     "build_encoder",
     "default_dtype",
+    "is_dynamic",
 ]
 
 HF_PREFIX = "hf:"
+log = logging.getLogger(__name__)
 
 
 def build_encoder(
@@ -35,8 +39,9 @@ def build_encoder(
     dtype: torch.dtype | None = None,
     weights: Path | None = None,
     compile: bool = False,
-) -> Encoder:
-    """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir>`.
+) -> Encoder | DynamicEncoder:
+    """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir>`. A Qwen2-VL or
+    Qwen2.5-VL checkpoint gives a `DynamicEncoder` (its vision tower, dynamic resolution).
 
     `dtype` defaults to bfloat16 on CUDA and float32 elsewhere. `weights` (presets only) is a
     local safetensors file; without it the weights are seeded, identical in every process.
@@ -48,7 +53,13 @@ def build_encoder(
                 "hf encoders load their weights from their directory; do not pass weights"
             )
         from app.encoders.hf import HFVisionEncoder
+        from app.encoders.qwen import QwenVisionEncoder, is_qwen_checkpoint
 
+        directory = Path(name[len(HF_PREFIX) :])
+        if is_qwen_checkpoint(directory):
+            if compile:
+                log.warning("%s: --encoder-compile is not used for dynamic-resolution towers", name)
+            return QwenVisionEncoder(directory, device=device, dtype=dtype)
         return HFVisionEncoder(name[len(HF_PREFIX) :], device=device, dtype=dtype, compile=compile)
     if name not in PRESETS:
         raise ValueError(

@@ -132,7 +132,9 @@ def smart_resize(height: int, width: int, pre: QwenPreprocessor) -> tuple[int, i
     return h_bar, w_bar
 
 
-def patchify(image: torch.Tensor, pre: QwenPreprocessor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def patchify(
+    image: torch.Tensor, pre: QwenPreprocessor
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``[3, H, W]`` uint8 (upright RGB, any device) -> (``[h*w, 3*T*p*p]`` float32 patches,
     ``(1, h, w)``), exactly as ``Qwen2VLImageProcessor`` makes them."""
     height, width = image.shape[-2:]
@@ -162,7 +164,7 @@ def patchify(image: torch.Tensor, pre: QwenPreprocessor) -> tuple[torch.Tensor, 
     return x.reshape(gh * gw, c * t * p * p), (1, gh, gw)
 
 
-def _varlen_attention(
+def _varlen_attention(  # noqa: PLR0917 (transformers' attention interface)
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -180,7 +182,7 @@ def _varlen_attention(
     if cu is None or query.device.type != "cuda":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     from torch.nn.attention.varlen import varlen_attn
@@ -192,6 +194,7 @@ def _varlen_attention(
         max_len = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(torch.int32)
     out = varlen_attn(q, k, v, cu, cu, int(max_len), int(max_len), scale=scaling)
+    assert isinstance(out, torch.Tensor)  # (no aux requested)
     return out.unsqueeze(0), None  # [1, seq, heads, dim], as flash_attention_2 returns
 
 
@@ -221,9 +224,9 @@ def _tower_tensors(directory: Path) -> tuple[dict[str, list[str]], str]:
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
     else:
         weight_map = {}
-        for shard in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(shard), framework="pt") as f:
-                weight_map.update(dict.fromkeys(f.keys(), shard.name))
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), path.name))
     if not weight_map:
         raise ValueError(f"{directory}: no safetensors weights (model*.safetensors)")
     for prefix in WEIGHT_PREFIXES:
@@ -293,7 +296,9 @@ class QwenVisionEncoder:
         self.module: nn.Module = model
         self.merge_unit = self.pre.merge_size**2
         # Qwen2-VL names the merged width hidden_size, Qwen2.5-VL out_hidden_size
-        self.out_dim = int(getattr(vision_config, "out_hidden_size", 0) or vision_config.hidden_size)
+        self.out_dim = int(
+            getattr(vision_config, "out_hidden_size", 0) or vision_config.hidden_size
+        )
         # The fixed-size Encoder attributes, for code that reads them (metrics, /v1/pool).
         self.mean, self.std = self.pre.mean, self.pre.std
         self.image_size = 0
