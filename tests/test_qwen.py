@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load
@@ -123,3 +124,38 @@ def test_missing_tower_weights_is_a_clear_error(checkpoint: Path, tmp_path: Path
     save_file({k: v for k, v in weights.items() if "visual" not in k}, broken / "model.safetensors")
     with pytest.raises(ValueError, match="no vision tower tensors"):
         build_encoder(f"hf:{broken}", device=torch.device("cpu"))
+
+
+def test_packed_varlen_attention_equals_sdpa(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention featpool uses on CUDA (torch's varlen kernel through transformers'
+    attention interface) gets the packed boundaries of every image (and every window on 2.5);
+    off CUDA its per-segment path must give what transformers' sdpa gives."""
+    from transformers import AttentionInterface
+
+    from app.encoders import qwen
+    from tests.qwen_reference import load_upright
+
+    images = [
+        torch.from_numpy(np.array(load_upright(b).convert("RGB"))).permute(2, 0, 1).contiguous()
+        for b in photos().values()
+    ]
+    plain = qwen.QwenVisionEncoder(checkpoint, device="cpu", attention="sdpa")
+    packed = qwen.QwenVisionEncoder(checkpoint, device="cpu", attention=qwen.VARLEN_ATTENTION)
+    calls: list[int] = []
+    inner = AttentionInterface._global_mapping[qwen.VARLEN_ATTENTION]
+
+    def spy(*args: object, **kwargs: object) -> object:
+        cu = kwargs.get("cu_seq_lens_q")
+        assert isinstance(cu, torch.Tensor)
+        calls.append(len(cu) - 1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, qwen.VARLEN_ATTENTION, spy)
+    want = plain.encode_images(images)
+    got = packed.encode_images(images)
+    assert calls and min(calls) >= len(images)  # one call per layer, every image in it
+    for (a, ga), (b, gb) in zip(got, want, strict=True):
+        assert ga == gb
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -176,26 +176,36 @@ def _varlen_attention(  # noqa: PLR0917 (transformers' attention interface)
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over torch's fused varlen kernel
     (``torch.nn.attention.varlen.varlen_attn``): one launch for every packed image or window,
-    where the ``sdpa`` implementation loops over them in Python. Same call shape as
-    transformers' ``flash_attention_2``; any call without ``cu_seq_lens`` goes to sdpa."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or query.device.type != "cuda":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    where transformers' ``sdpa`` path runs one attention call per image or window. Called as
+    ``flash_attention_2`` is: ``[1, heads, seq, dim]`` in, ``[1, seq, heads, dim]`` out, the
+    packed boundaries in ``cu_seq_lens_q``. Off CUDA it runs sdpa per segment (as transformers'
+    own loop does), so the wiring is tested on the CPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    max_len = kwargs.pop("max_length_q", None)
+    for k in ("cu_seq_lens_k", "max_length_k"):
+        kwargs.pop(k, None)
+    if cu is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if query.device.type != "cuda":
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        parts = [
+            sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kwargs)[0]
+            for q, k, v in zip(*(x.split(lengths, dim=2) for x in (query, key, value)), strict=True)
+        ]
+        return torch.cat(parts, dim=1), None
     from torch.nn.attention.varlen import varlen_attn
 
-    # [1, heads, seq, dim] -> [seq, heads, dim]
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
-    max_len = kwargs.get("max_length_q")
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # [seq, heads, dim]
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(torch.int32)
     out = varlen_attn(q, k, v, cu, cu, int(max_len), int(max_len), scale=scaling)
     assert isinstance(out, torch.Tensor)  # (no aux requested)
-    return out.unsqueeze(0), None  # [1, seq, heads, dim], as flash_attention_2 returns
+    return out.unsqueeze(0), None
 
 
 def varlen_attention_available(device: torch.device) -> bool:
@@ -284,13 +294,20 @@ class QwenVisionEncoder:
             )
         if attention is None:
             attention = VARLEN_ATTENTION if varlen_attention_available(self.device) else "sdpa"
-        if attention == VARLEN_ATTENTION:
-            _register_varlen_attention()
         self.attention = attention
         module_name, cls_name = TOWERS[model_type]
         cls = getattr(importlib.import_module(module_name), cls_name)
         with torch.device(self.device):
-            model = cls._from_config(vision_config, dtype=self.dtype, attn_implementation=attention)
+            model = cls._from_config(
+                vision_config,
+                dtype=self.dtype,
+                attn_implementation="sdpa" if attention == VARLEN_ATTENTION else attention,
+            )
+        if attention == VARLEN_ATTENTION:
+            # Set after construction: transformers checks a "flash" name at construction by
+            # importing a flash-attn package; at run time it only looks the name up.
+            _register_varlen_attention()
+            model.config._attn_implementation = attention
         self.load_bytes = self._load_weights(model, directory)
         model.eval().requires_grad_(False)
         self.module: nn.Module = model
