@@ -192,18 +192,20 @@ def _varlen_attention(  # noqa: PLR0917 (transformers' attention interface)
         )
     if query.device.type != "cuda":
         lengths = (cu[1:] - cu[:-1]).tolist()
+        segments = zip(*(torch.split(x, lengths, dim=2) for x in (query, key, value)), strict=True)
         parts = [
             sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kwargs)[0]
-            for q, k, v in zip(*(x.split(lengths, dim=2) for x in (query, key, value)), strict=True)
+            for q, k, v in segments
         ]
         return torch.cat(parts, dim=1), None
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # [seq, heads, dim]
+    # [1, heads, seq, dim] -> [seq, heads, dim]
+    q_, k_, v_ = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
-    cu = cu.to(torch.int32)
-    out = varlen_attn(q, k, v, cu, cu, int(max_len), int(max_len), scale=scaling)
+    bounds = cu.to(torch.int32)
+    out = varlen_attn(q_, k_, v_, bounds, bounds, int(max_len), int(max_len), scale=scaling)
     assert isinstance(out, torch.Tensor)  # (no aux requested)
     return out.unsqueeze(0), None
 
