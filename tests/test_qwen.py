@@ -159,3 +159,29 @@ def test_packed_varlen_attention_equals_sdpa(
     for (a, ga), (b, gb) in zip(got, want, strict=True):
         assert ga == gb
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_language_model_shards_are_never_read(checkpoint: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint (as the published 7B ones are): the shards that hold no tower
+    tensor are not even opened, so featpool serves with them destroyed."""
+    import transformers as tf
+
+    sharded = tmp_path / "sharded"
+    model = tf.AutoModelForImageTextToText.from_pretrained(checkpoint, local_files_only=True)
+    model.save_pretrained(sharded, max_shard_size="200KB")
+    for f in ("preprocessor_config.json",):
+        (sharded / f).write_text((checkpoint / f).read_text())
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    tower = {shard for name, shard in index.items() if ".visual." in f".{name}"}
+    others = set(index.values()) - tower
+    assert others, "the test needs shards without tower tensors"
+    for shard in others:
+        (sharded / shard).write_bytes(b"not safetensors")
+    enc = build_encoder(f"hf:{sharded}", device=torch.device("cpu"))
+    want = build_encoder(f"hf:{checkpoint}", device=torch.device("cpu"))
+    for (n, a), (_, b) in zip(
+        enc.module.state_dict().items(),  # type: ignore[union-attr]
+        want.module.state_dict().items(),  # type: ignore[union-attr]
+        strict=True,
+    ):
+        assert torch.equal(a, b), n

@@ -333,22 +333,39 @@ class QwenVisionEncoder:
         )
 
     def _load_weights(self, model: nn.Module, directory: Path) -> int:
+        """Copy the tower's tensors into the model one at a time (peak memory: the tower plus
+        one tensor), reading only the shards that hold them. Returns the bytes loaded."""
         from safetensors import safe_open
 
         files, prefix = _tower_tensors(directory)
-        state: dict[str, torch.Tensor] = {}
+        targets = model.state_dict()
+        missing, unexpected, loaded = set(targets), [], 0
         dev = str(self.device) if self.device.type == "cuda" else "cpu"
-        for shard, names in files.items():
-            with safe_open(str(directory / shard), framework="pt", device=dev) as f:
-                for name in names:
-                    state[name[len(prefix) :]] = f.get_tensor(name).to(self.dtype)
-        result = model.load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
+        with torch.no_grad():
+            for shard, names in files.items():
+                with safe_open(str(directory / shard), framework="pt", device=dev) as f:
+                    for name in names:
+                        key = name[len(prefix) :]
+                        target = targets.get(key)
+                        if target is None:
+                            unexpected.append(key)
+                            continue
+                        src = f.get_tensor(name)
+                        if src.shape != target.shape:
+                            raise ValueError(
+                                f"{directory}: {name} has shape {list(src.shape)}, the "
+                                f"vision config gives {list(target.shape)}"
+                            )
+                        target.copy_(src)
+                        missing.discard(key)
+                        loaded += target.numel() * target.element_size()
+                        del src
+        if missing or unexpected:
             raise ValueError(
                 f"{directory}: the vision tower's tensors do not match its config: "
-                f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+                f"missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}"
             )
-        return sum(t.numel() * t.element_size() for t in state.values())
+        return loaded
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) in patches for an upright image of ``height`` x ``width`` pixels."""
