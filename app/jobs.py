@@ -9,7 +9,8 @@ header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
   front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "images": [[label, size]..]}
                  + the images' bytes, concatenated
                  {"id", "op": "release", "lease_ids": [...]}   (answers nobody waited for)
-  core -> front  {"id", "status", "body", "headers"}            (body: the HTTP answer's JSON)
+  core -> front  {"id", "status", "body", "headers"}            (body: the HTTP answer's JSON:
+                 an EncodeResponse of pool.descriptor, or the error shape)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import STATUS, ApiError
+from pool.descriptor import EncodeResponse, LeaseDescriptor
 from pool.errors import PoolError
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
 EncodeFn = Callable[
-    [Sequence[tuple[str, bytes]], float | None, bool, str | None], Awaitable[dict[str, Any]]
+    [Sequence[tuple[str, bytes]], float | None, bool, str | None],
+    Awaitable[list[LeaseDescriptor]],
 ]
 
 
@@ -123,9 +126,10 @@ class JobServer:
             at += size
         headers: dict[str, str] = {}
         try:
-            body = await self._encode(
+            items = await self._encode(
                 images, header.get("ttl_s"), bool(header.get("pooled")), header.get("dtype")
             )
+            body = EncodeResponse(items=items).model_dump(mode="json")
             status = 200
         except ApiError as e:
             status, body = _error(e.type, e.message)

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -23,6 +22,7 @@ from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, ops, v1
 from app.settings import Settings
+from pool.descriptor import LeaseDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,12 @@ def create_app(
 
     async def encode_images(
         images: Sequence[tuple[str, bytes]], ttl_s: float | None, pooled: bool, dtype: str | None
-    ) -> dict[str, Any]:
+    ) -> list[LeaseDescriptor]:
         leases = await engine.encode(
             images, ttl_s, pooled=pooled, dtype=getattr(torch, dtype) if dtype else None
         )
         assert engine.pool is not None
-        return {"items": [engine.pool.describe(lease) for lease in leases]}
+        return [engine.pool.describe(lease) for lease in leases]
 
     # With --http-workers, front processes send encode jobs over this channel.
     jobs = (

@@ -20,6 +20,7 @@ from app.imaging import check_content_type
 from app.jobs import EncodeFn
 from app.metrics import Metrics
 from app.settings import Settings
+from pool.descriptor import EncodeResponse, LeaseDescriptor
 from pool.featurepool import FeaturePool
 
 
@@ -41,38 +42,6 @@ def check_api_key(request: Request) -> None:
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode()):
         raise ApiError("unauthorized", "missing or wrong 'Authorization: Bearer <api key>'")
-
-
-class LeaseOut(BaseModel):
-    lease_id: str
-    epoch: str = Field(description="pool epoch; changes when the producer restarts")
-    state: str
-    tier: str = Field(description="gpu, host or inline")
-    transport: str = Field(description="cuda_vmm, host_shm or inline")
-    slab: int | None
-    offset: int | None
-    nbytes: int
-    shape: list[int]
-    dtype: str
-    grid_thw: list[int] | None = Field(
-        None,
-        description="dynamic-resolution encoders (Qwen2-VL): the image grid (t, h, w) in "
-        "patches; null for fixed-size encoders",
-    )
-    tokens: int | None = Field(
-        None,
-        description="dynamic-resolution encoders: the image's token count, t*h*w/merge^2 (the "
-        "first dimension of shape unless pooled); null for fixed-size encoders",
-    )
-    slot: int
-    generation: int
-    created_at: float
-    expires_at: float = Field(description="seconds since the Unix epoch")
-    ttl_s: float
-
-
-class EncodeOut(BaseModel):
-    items: list[LeaseOut]
 
 
 class RenewIn(BaseModel):
@@ -126,14 +95,14 @@ ENCODE_BODY = {
 
 @encode_router.post(
     "/encode",
-    response_model=EncodeOut,
+    response_model=EncodeResponse,
     summary="Encode images into pooled features",
     openapi_extra=ENCODE_BODY,
     responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}},
 )
 async def encode(
     request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False, dtype: DtypeQuery = None
-) -> dict[str, Any]:
+) -> EncodeResponse:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
     image, in order."""
     s: Settings = request.app.state.settings
@@ -146,7 +115,7 @@ async def encode(
         images = [("image", data)]
     # The engine in this process, or the GPU process behind a front (app/front.py).
     encode_images: EncodeFn = request.app.state.encode_images
-    return await encode_images(images, ttl_s, pooled, dtype)
+    return EncodeResponse(items=await encode_images(images, ttl_s, pooled, dtype))
 
 
 async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, bytes]]:
@@ -183,8 +152,8 @@ async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, by
         await form.close()
 
 
-@v1.get("/leases/{lease_id}", response_model=LeaseOut, responses={404: {}, 410: {}})
-async def get_lease(request: Request, lease_id: str) -> dict[str, Any]:
+@v1.get("/leases/{lease_id}", response_model=LeaseDescriptor, responses={404: {}, 410: {}})
+async def get_lease(request: Request, lease_id: str) -> LeaseDescriptor:
     p = pool(request)
     return p.describe(p.get(lease_id))
 
@@ -213,10 +182,14 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
     )
 
 
-@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut, responses={400: {}, 404: {}, 410: {}})
+@v1.post(
+    "/leases/{lease_id}/renew",
+    response_model=LeaseDescriptor,
+    responses={400: {}, 404: {}, 410: {}},
+)
 async def renew_lease(
     request: Request, lease_id: str, body: RenewIn | None = None
-) -> dict[str, Any]:
+) -> LeaseDescriptor:
     p = pool(request)
     return p.describe(p.renew(lease_id, body.ttl_s if body else None))
 
