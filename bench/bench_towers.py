@@ -125,14 +125,18 @@ def build_checkpoint(kind: str, directory: Path) -> Path:
     return directory
 
 
-def transformers_path(kind: str, directory: Path) -> tuple[Any, Callable[..., list[torch.Tensor]]]:
-    """transformers' processor and a function: PIL images -> per-image features (bf16)."""
+def transformers_path(
+    kind: str, directory: Path, fused: bool = False
+) -> tuple[Any, Callable[..., list[torch.Tensor]]]:
+    """transformers' processor and a function: PIL images -> per-image features (bf16).
+    ``fused``: transformers' own patch-embedding fusion (Conv3d run as a Linear)."""
     import transformers as tf
 
     processor = tf.AutoImageProcessor.from_pretrained(directory, local_files_only=True)
     if kind == "qwen2_5_vl":
+        extra = {"fusion_config": {"patch_embeddings": True}} if fused else {}
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            directory, local_files_only=True, dtype=torch.bfloat16
+            directory, local_files_only=True, dtype=torch.bfloat16, **extra
         )
         tower = model.model.visual.cuda().eval()
 
@@ -163,9 +167,15 @@ def pil(data: bytes) -> Image.Image:
 
 
 def run_transformers(
-    kind: str, directory: Path, images: list[bytes], batch: int, device: str | None
+    kind: str,
+    directory: Path,
+    images: list[bytes],
+    batch: int,
+    *,
+    device: str | None,
+    fused: bool,
 ) -> dict[str, Any]:
-    processor, forward = transformers_path(kind, directory)
+    processor, forward = transformers_path(kind, directory, fused)
     kw = {"device": device} if device else {}
     chunks = [images[i : i + batch] for i in range(0, len(images), batch)]
     first: list[torch.Tensor] = []
@@ -228,6 +238,7 @@ async def run_featpool(
         "gpu_memory_after_start_bytes": torch.cuda.memory_allocated() - mem0,
         "gpu_memory_peak_start_bytes": torch.cuda.max_memory_allocated() - mem0,
         "attention": getattr(enc, "attention", "sdpa"),
+        "patch_embed_as_gemm": getattr(enc, "patch_gemm", None),
     }
     chunks = [images[i : i + batch] for i in range(0, len(images), batch)]
     first: list[torch.Tensor] = []
@@ -321,12 +332,17 @@ def main() -> None:
             images = photos(args.images, args.size, square=kind == "siglip")
             fp = asyncio.run(run_featpool(directory, images, args.batch, args.depth, tmp))
             rows: dict[str, Any] = {"checkpoint_build_s": build_s, "featpool": fp}
-            for label, device in (
-                ("transformers_cpu_processor", None),
-                ("transformers_cuda_processor", "cuda"),
-            ):
+            baselines = [
+                ("transformers_cpu_processor", None, False),
+                ("transformers_cuda_processor", "cuda", False),
+            ]
+            if kind == "qwen2_5_vl":
+                baselines.append(("transformers_cuda_processor_fused_patch_embed", "cuda", True))
+            for label, device, fused in baselines:
                 try:
-                    rows[label] = run_transformers(kind, directory, images, args.batch, device)
+                    rows[label] = run_transformers(
+                        kind, directory, images, args.batch, device=device, fused=fused
+                    )
                 except Exception as e:  # e.g. a processor without a device argument
                     rows[label] = {"error": repr(e)}
                     continue

@@ -102,6 +102,12 @@ def test_only_the_vision_tower_is_loaded(checkpoint: Path) -> None:
     names = {n for n, _ in enc.module.named_parameters()}  # type: ignore[union-attr]
     assert names and not any("embed_tokens" in n or "lm_head" in n for n in names)
     assert any(n.startswith("merger.") for n in names)
+    # the patch embedding runs as a GEMM: the Conv3d it replaces gives the same
+    embed = enc.module.patch_embed  # type: ignore[union-attr]
+    assert enc.patch_gemm  # type: ignore[union-attr]
+    x = torch.randn(10, 3 * 2 * 14 * 14)
+    want = embed.proj(x.view(-1, 3, 2, 14, 14)).view(10, -1)
+    torch.testing.assert_close(embed(x), want, rtol=1e-4, atol=1e-5)
 
 
 def test_smart_resize_matches_the_processor() -> None:

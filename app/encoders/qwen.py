@@ -226,6 +226,33 @@ def _register_varlen_attention() -> None:
     AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
 
 
+def patch_embed_as_gemm(tower: nn.Module) -> bool:
+    """Run the tower's patch embedding, a Conv3d whose stride equals its kernel, as the GEMM it
+    is over the flattened patches (same weights, viewed ``[D, C*T*p*p]``). transformers offers
+    the same as ``fusion_config={"patch_embeddings": True}``; cuDNN's Conv3d for this shape is
+    slow in bf16 on some versions. Returns whether it applied."""
+    embed = getattr(tower, "patch_embed", None)
+    proj = getattr(embed, "proj", None)
+    if not (
+        isinstance(proj, nn.Conv3d)
+        and proj.stride == proj.kernel_size
+        and proj.padding == (0, 0, 0)
+        and proj.dilation == (1, 1, 1)
+        and proj.groups == 1
+    ):
+        return False
+    assert embed is not None
+    volume = proj.in_channels * math.prod(proj.kernel_size)
+    weight = proj.weight.view(proj.out_channels, volume)
+    bias = proj.bias
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return nnf.linear(hidden_states.view(-1, volume).to(weight.dtype), weight, bias)
+
+    embed.forward = forward
+    return True
+
+
 def _tower_tensors(directory: Path) -> tuple[dict[str, list[str]], str]:
     """{shard file: [tensor names of the tower]} and the prefix they carry, from the
     safetensors index (or the headers of the shards): no tensor is read here."""
@@ -312,6 +339,7 @@ class QwenVisionEncoder:
             model.config._attn_implementation = attention
         self.load_bytes = self._load_weights(model, directory)
         model.eval().requires_grad_(False)
+        self.patch_gemm = patch_embed_as_gemm(model)
         self.module: nn.Module = model
         self.merge_unit = self.pre.merge_size**2
         # Qwen2-VL names the merged width hidden_size, Qwen2.5-VL out_hidden_size
