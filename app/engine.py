@@ -19,9 +19,10 @@ from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.errors import ApiError
-from app.gpu_decode import JpegDecoder, orient, preprocess
-from app.imaging import decode, decode_full, inspect
+from app.gpu_decode import JpegDecoder, preprocess
+from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
+from app.preprocess import ImageSpec, orient
 from app.settings import Settings
 from pool.errors import CudaUnavailable, PoolError
 from pool.featurepool import FeaturePool
@@ -37,7 +38,8 @@ MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU 
 class Job:
     label: str
     ttl_s: float | None
-    # [3, S, S] uint8 on the CPU (Pillow decoded it); [3, H, W] for a dynamic encoder
+    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing or a
+    # dynamic encoder, [3, H, W] at full size, upright)
     pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
@@ -70,6 +72,7 @@ class Engine:
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._mean = self._std = torch.empty(0)
+        self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -113,10 +116,12 @@ class Engine:
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
+        self._spec = None
         if not is_dynamic(encoder):  # a dynamic encoder normalises by its own processor
             fixed = cast(Encoder, encoder)
             self._mean = torch.tensor(fixed.mean, device=self.device).view(1, 3, 1, 1) * 255
             self._std = torch.tensor(fixed.std, device=self.device).view(1, 3, 1, 1) * 255
+            self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -277,12 +282,15 @@ class Engine:
     def _decode(self, label: str, data: bytes, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        limits = dict(max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label)
-        out = (
-            decode_full(data, **limits)  # type: ignore[arg-type]
-            if size is None
-            else decode(data, size, **limits)  # type: ignore[arg-type]
-        )
+        if size is None or self._spec is not None:
+            # a dynamic encoder, or the model's preprocessing: on the device, at full size
+            out = decode_upright(
+                data, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+            )
+        else:
+            out = decode(
+                data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+            )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 
@@ -290,7 +298,7 @@ class Engine:
         self, jobs: list[Job]
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
-        that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
+        that decoded: (their indices, [n, 3, S, S] normalised floats on the device, failures)."""
         assert self.encoder is not None and not is_dynamic(self.encoder)
         size = cast(Encoder, self.encoder).image_size
         failed: dict[int, BaseException] = {}
@@ -318,6 +326,10 @@ class Engine:
         ok = sorted([*host, *on_gpu])
         if not ok:
             return ok, None, failed
+        if self._spec is not None:
+            images = [on_gpu[i] if i in on_gpu else self._to_device(host[i]) for i in ok]
+            orientations = [jobs[i].orientation if i in on_gpu else 1 for i in ok]
+            return ok, self._spec.apply(images, orientations), failed
         parts: list[tuple[list[int], torch.Tensor]] = []
         if on_gpu:
             g = sorted(on_gpu)
@@ -331,12 +343,18 @@ class Engine:
                 x = x.pin_memory().to(self.device, non_blocking=True)
             parts.append((h, x.float()))
         if len(parts) == 1:
-            return ok, parts[0][1], failed
-        x = torch.empty(len(ok), 3, size, size, device=self.device)
-        row = {i: r for r, i in enumerate(ok)}
-        for idx, part in parts:
-            x[torch.tensor([row[i] for i in idx], device=self.device)] = part
-        return ok, x, failed
+            x = parts[0][1]
+        else:
+            x = torch.empty(len(ok), 3, size, size, device=self.device)
+            row = {i: r for r, i in enumerate(ok)}
+            for idx, part in parts:
+                x[torch.tensor([row[i] for i in idx], device=self.device)] = part
+        return ok, (x - self._mean) / self._std, failed
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
@@ -353,7 +371,6 @@ class Engine:
             ]
             if x is None:
                 return results
-            x = (x - self._mean) / self._std
             start = self._event()
             n = x.shape[0]
             pad = next((b for b in self._buckets if b >= n), n) - n

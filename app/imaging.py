@@ -129,17 +129,29 @@ def decode(
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
-def decode_full(
+def decode_upright(
     data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image"
 ) -> torch.Tensor:
-    """Decode, orient and convert to RGB at full resolution (for dynamic-resolution encoders,
-    which resize by their own rule): ``[3, H, W]`` uint8."""
+    """Decode at full size to ``[3, H, W]`` uint8, as transformers turns a file into the image
+    its processor sees: EXIF orientation applied (``transformers.image_utils.load_image``), then
+    ``convert_to_rgb``. What follows (resize, crop, ...) is the model's ``app.preprocess``."""
     with _image_errors(label):
         im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
         im.load()
-        rgb = _to_rgb(ImageOps.exif_transpose(im))
+        rgb = to_rgb_as_transformers(ImageOps.exif_transpose(im))
     arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+def to_rgb_as_transformers(im: Image.Image) -> Image.Image:
+    """transformers' ``convert_to_rgb`` (5.2x): transparency composited onto white, everything
+    else through Pillow's ``convert("RGB")`` (which saturates 16-bit values at 255, unlike
+    ``_to_rgb`` below; matching the model's processor wins here)."""
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

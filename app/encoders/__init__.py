@@ -1,8 +1,9 @@
 """Pluggable image encoders behind one Protocol.
 
 `build_encoder("vit-b16-224", device=...)` builds a preset ViT (seeded, or from a local
-safetensors file); `build_encoder("hf:/models/siglip", device=...)` loads a Hugging Face vision
-tower from a local directory (optional extra `hf`).
+safetensors file); `build_encoder("hf:/models/siglip", device=...)` or
+`build_encoder("hf:google/siglip-base-patch16-224", device=...)` loads a Hugging Face vision tower
+from a local directory or the local Hugging Face cache (optional extra `hf`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "ViTConfig",
     "ViTEncoder",
     "build_encoder",
+    "check_encoder_name",
     "default_dtype",
     "is_dynamic",
 ]
@@ -40,8 +42,9 @@ def build_encoder(
     weights: Path | None = None,
     compile: bool = False,
 ) -> Encoder | DynamicEncoder:
-    """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir>`. A Qwen2-VL or
-    Qwen2.5-VL checkpoint gives a `DynamicEncoder` (its vision tower, dynamic resolution).
+    """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir or cached repo id>`.
+    A Qwen2-VL or Qwen2.5-VL checkpoint gives a `DynamicEncoder` (its vision tower, dynamic
+    resolution).
 
     `dtype` defaults to bfloat16 on CUDA and float32 elsewhere. `weights` (presets only) is a
     local safetensors file; without it the weights are seeded, identical in every process.
@@ -52,18 +55,34 @@ def build_encoder(
             raise ValueError(
                 "hf encoders load their weights from their directory; do not pass weights"
             )
-        from app.encoders.hf import HFVisionEncoder
+        from app.encoders.hf import HFVisionEncoder, resolve_model
         from app.encoders.qwen import QwenVisionEncoder, is_qwen_checkpoint
 
-        directory = Path(name[len(HF_PREFIX) :])
+        directory = resolve_model(name[len(HF_PREFIX) :])
         if is_qwen_checkpoint(directory):
             if compile:
                 log.warning("%s: --encoder-compile is not used for dynamic-resolution towers", name)
             return QwenVisionEncoder(directory, device=device, dtype=dtype)
         return HFVisionEncoder(name[len(HF_PREFIX) :], device=device, dtype=dtype, compile=compile)
     if name not in PRESETS:
-        raise ValueError(
-            f"unknown encoder {name!r}; valid presets: {', '.join(PRESETS)}, "
-            f"or {HF_PREFIX}<local directory> for a Hugging Face vision tower"
-        )
+        raise _unknown(name)
     return ViTEncoder(name, device=device, dtype=dtype, weights=weights, compile=compile)
+
+
+def check_encoder_name(name: str) -> None:
+    """Fail fast, before anything starts, on a name that cannot be built: an unknown preset, or
+    an hf: model that is neither a local directory nor in the local Hugging Face cache."""
+    if name.startswith(HF_PREFIX):
+        from app.encoders.hf import resolve_model
+
+        resolve_model(name[len(HF_PREFIX) :])
+    elif name not in PRESETS:
+        raise _unknown(name)
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown encoder {name!r}; valid presets: {', '.join(PRESETS)}, "
+        f"or {HF_PREFIX}<local directory or org/name in the Hugging Face cache> for a "
+        "Hugging Face vision tower"
+    )

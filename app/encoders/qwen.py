@@ -28,6 +28,15 @@ import torch.nn.functional as nnf
 from torch import nn
 
 from app.encoders.base import default_dtype, resolve_device
+from app.preprocess import (
+    BICUBIC,
+    _field,
+    _three,
+    interpolation,
+    load_image_processor,
+    rescale_normalize,
+    resize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,68 +56,63 @@ TOWERS: dict[str, tuple[str, str]] = {
 WEIGHT_PREFIXES = ("model.visual.", "visual.")
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-# PIL resample codes the processor config may name -> torch interpolate modes
-_RESAMPLE = {2: "bilinear", 3: "bicubic"}
 VARLEN_ATTENTION = "featpool_flash_varlen"
 
 
 @dataclass(frozen=True)
 class QwenPreprocessor:
-    """The fields of ``preprocessor_config.json`` that define a Qwen2-VL image input."""
+    """What defines a Qwen2-VL image input: the fields of its ``Qwen2VLImageProcessor``
+    (defaults: that processor's)."""
 
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    mean: tuple[float, float, float] = _CLIP_MEAN
-    std: tuple[float, float, float] = _CLIP_STD
+    mean: tuple[float, ...] = _CLIP_MEAN
+    std: tuple[float, ...] = _CLIP_STD
     rescale_factor: float = 1 / 255
     do_rescale: bool = True
     do_normalize: bool = True
     do_resize: bool = True
-    resample: str = "bicubic"
+    resample: int = BICUBIC  # PIL's code, as preprocessor_config.json stores it
 
     @classmethod
-    def from_dict(cls, pre: dict[str, Any]) -> QwenPreprocessor:
-        d = cls()
-        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
-        assert isinstance(size, dict)
-        # The processor reads min/max_pixels first, then size.shortest_edge/longest_edge.
-        min_px = pre.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
-        max_px = pre.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
-        resample = int(pre.get("resample", 3))
-        if resample not in _RESAMPLE:
+    def from_processor(cls, proc: Any) -> QwenPreprocessor:
+        """From the processor transformers loads for the checkpoint (``load_image_processor``:
+        the file's values, the class defaults for what it leaves out)."""
+        name = type(proc).__name__
+        if not name.startswith("Qwen2VLImageProcessor"):
             raise ValueError(
-                f"preprocessor_config.json: resample {resample} is not supported "
-                f"(only {sorted(_RESAMPLE)}: bilinear, bicubic)"
+                f"the checkpoint's image processor is {name}, not Qwen2VLImageProcessor; "
+                "featpool reproduces only that one for Qwen2-VL towers"
             )
+        d = cls()
+        size = getattr(proc, "size", None) or {}
+        min_px = _field(size, "shortest_edge") or getattr(proc, "min_pixels", None)
+        max_px = _field(size, "longest_edge") or getattr(proc, "max_pixels", None)
+        resample = int(getattr(proc, "resample", None) or d.resample)
+        interpolation(resample)  # refuses filters without a tensor implementation
         return cls(
             min_pixels=int(min_px or d.min_pixels),
             max_pixels=int(max_px or d.max_pixels),
-            patch_size=int(pre.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(pre.get("temporal_patch_size", d.temporal_patch_size)),
-            merge_size=int(pre.get("merge_size", d.merge_size)),
-            mean=_triple(pre.get("image_mean", d.mean)),
-            std=_triple(pre.get("image_std", d.std)),
-            rescale_factor=float(pre.get("rescale_factor", d.rescale_factor)),
-            do_rescale=bool(pre.get("do_rescale", True)),
-            do_normalize=bool(pre.get("do_normalize", True)),
-            do_resize=bool(pre.get("do_resize", True)),
-            resample=_RESAMPLE[resample],
+            patch_size=int(getattr(proc, "patch_size", None) or d.patch_size),
+            temporal_patch_size=int(
+                getattr(proc, "temporal_patch_size", None) or d.temporal_patch_size
+            ),
+            merge_size=int(getattr(proc, "merge_size", None) or d.merge_size),
+            mean=_three(getattr(proc, "image_mean", None) or d.mean, "image_mean"),
+            std=_three(getattr(proc, "image_std", None) or d.std, "image_std"),
+            rescale_factor=float(getattr(proc, "rescale_factor", None) or d.rescale_factor),
+            do_rescale=bool(getattr(proc, "do_rescale", True)),
+            do_normalize=bool(getattr(proc, "do_normalize", True)),
+            do_resize=bool(getattr(proc, "do_resize", True)),
+            resample=resample,
         )
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
-
-
-def _triple(value: Any) -> tuple[float, float, float]:
-    if isinstance(value, (int, float)):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
-        raise ValueError(f"image_mean/image_std must be three numbers, got {value!r}")
-    return float(value[0]), float(value[1]), float(value[2])
 
 
 def smart_resize(height: int, width: int, pre: QwenPreprocessor) -> tuple[int, int]:
@@ -136,27 +140,21 @@ def patchify(
     image: torch.Tensor, pre: QwenPreprocessor
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``[3, H, W]`` uint8 (upright RGB, any device) -> (``[h*w, 3*T*p*p]`` float32 patches,
-    ``(1, h, w)``), exactly as ``Qwen2VLImageProcessor`` makes them."""
-    height, width = image.shape[-2:]
-    x = image.unsqueeze(0).float()
+    ``(1, h, w)``), exactly as ``Qwen2VLImageProcessor`` makes them: resize (uint8, as
+    torchvision), rescale and normalise (``app.preprocess``), then the patch layout."""
+    x = image.unsqueeze(0)
     if pre.do_resize:
-        rh, rw = smart_resize(int(height), int(width), pre)
-        if (rh, rw) != (height, width):
-            # torchvision resizes uint8 in float and rounds back to uint8; so does this.
-            x = nnf.interpolate(
-                x, size=(rh, rw), mode=pre.resample, antialias=True, align_corners=False
-            )
-            x = x.clamp_(0, 255).round_()
+        x = resize(x, smart_resize(int(x.shape[-2]), int(x.shape[-1]), pre), pre.resample)
     c, m, p, t = 3, pre.merge_size, pre.patch_size, pre.temporal_patch_size
     h_px, w_px = x.shape[-2:]
     if h_px % pre.factor or w_px % pre.factor:
         raise ValueError(f"image of {w_px}x{h_px} is not a multiple of {pre.factor} pixels")
-    if pre.do_rescale:
-        x = x * pre.rescale_factor
-    if pre.do_normalize:
-        mean = torch.tensor(pre.mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(pre.std, device=x.device).view(1, 3, 1, 1)
-        x = (x - mean) / std
+    x = rescale_normalize(
+        x,
+        pre.rescale_factor if pre.do_rescale else None,
+        pre.mean if pre.do_normalize else None,
+        pre.std if pre.do_normalize else None,
+    )[0]
     gh, gw = h_px // p, w_px // p
     x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
     # [gh/m, gw/m, m, m, C, p, p]: repeat over time inside each patch (C, T, p, p)
@@ -308,11 +306,10 @@ class QwenVisionEncoder:
         if model_type not in TOWERS:
             raise ValueError(f"{directory}: model type {model_type!r} is not a Qwen2-VL model")
         vision_config = config.vision_config
-        pre_path = directory / "preprocessor_config.json"
-        pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
-        if not pre:
+        proc = load_image_processor(directory)
+        if proc is None:
             log.warning("%s: no preprocessor_config.json; using Qwen2-VL's defaults", directory)
-        self.pre = QwenPreprocessor.from_dict(pre)
+        self.pre = QwenPreprocessor.from_processor(proc) if proc else QwenPreprocessor()
         if self.pre.patch_size != vision_config.patch_size or (
             self.pre.merge_size != vision_config.spatial_merge_size
         ):
