@@ -207,6 +207,7 @@ async def run_featpool(
     directory: Path, images: list[bytes], batch: int, depth: int, tmp: Path
 ) -> dict[str, Any]:
     from app.engine import Engine
+    from app.engine_client import ImageIn
     from app.metrics import Metrics
     from app.settings import Settings
 
@@ -244,7 +245,7 @@ async def run_featpool(
     first: list[torch.Tensor] = []
 
     async def one(chunk: list[bytes], keep: bool) -> None:
-        leases = await engine.encode([(f"img{i}", b) for i, b in enumerate(chunk)], 60.0)
+        leases = await engine.encode([ImageIn(f"img{i}", b) for i, b in enumerate(chunk)], 60.0)
         assert engine.pool is not None
         if keep:
             torch.cuda.synchronize()
