@@ -13,6 +13,10 @@ read-only and registers it READ_ONLY (its streams only wait on it), and register
 block (``pool.control.AckBlock``) read-write for its stream-ordered acks. The producer's reaper
 reads every ack word with plain host loads.
 
+A consumer on another GPU of the node (``FeatureClient(device=...)``) maps the same FDs with
+access for its own GPU where the driver reports peer access, else for the producer's GPU, and
+then ``open`` copies into its own (``pool.backends.peer``, docs/protocol.md 8).
+
 A VMM allocation has no read-only export: whoever imports a slab's POSIX FD may map it
 read-write. Consumers here map read-only; on this tier the hand-off socket's peer check is the
 trust boundary (docs/security.md).
