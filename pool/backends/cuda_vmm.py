@@ -15,7 +15,7 @@ reads every ack word with plain host loads.
 
 A consumer on another GPU of the node (``FeatureClient(device=...)``) maps the same FDs with
 access for its own GPU where the driver reports peer access, else for the producer's GPU, and
-then ``open`` copies into its own (``pool.backends.peer``, docs/protocol.md 8).
+then ``open`` copies into its own (``pool.backends.peer``, docs/protocol.md 9).
 
 A VMM allocation has no read-only export: whoever imports a slab's POSIX FD may map it
 read-write. Consumers here map read-only; on this tier the hand-off socket's peer check is the

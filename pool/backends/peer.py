@@ -1,6 +1,6 @@
 """Which GPU a same-node consumer reads the GPU tier from, and how: the producer's GPU itself,
 another GPU of the node reading it in place over peer access (NVLink or PCIe), or another GPU
-that cannot reach it and gets a copy (docs/protocol.md 8).
+that cannot reach it and gets a copy (docs/protocol.md 9).
 
 The producer's GPU is named in the welcome by UUID (``cuda.device_uuid``): device ordinals
 differ between processes with different CUDA_VISIBLE_DEVICES, UUIDs do not.
