@@ -83,6 +83,7 @@ class FakeDriver:
         self.uuids = ["fake-0000"]
         self.peers: set[tuple[int, int]] = set()
         self.access_device: dict[int, int] = {}
+        self.views: list[tuple[int, int, bool]] = []  # FakeRuntime.tensor_at: ptr, device, DLPack
 
     def _call(self, name: str, *args: Any) -> None:
         self.calls.append((name, *args))
@@ -274,7 +275,7 @@ class FakeRuntime:
     def tensor_at(
         self, ptr: int, nbytes: int, on_free: Any = None, *, explicit_device: bool = False
     ) -> torch.Tensor:
-        self.driver.calls.append(("tensor_at", ptr, self.index, explicit_device))
+        self.driver.views.append((ptr, self.index, explicit_device))
         handle, _ = self.driver.maps[ptr]
         arr = np.frombuffer(handle.mem, dtype=np.uint8, count=nbytes)
         if on_free is not None:  # torch holds ``arr`` as long as the storage, like the real one
@@ -988,7 +989,7 @@ def test_consumer_on_another_gpu_maps_in_place_or_copies(
         t = torch.randn(64, 33)
         lease = pool.put(t)
         desc = pool.describe(lease)
-        n0 = len(drv.calls)
+        n0, v0 = len(drv.calls), len(drv.views)
         with FeatureClient.connect(tmp_path / "fp.sock", device="cuda:1") as client:
             link = client.link
             assert link is not None and (link.producer_device, link.device) == (0, 1)
@@ -1000,8 +1001,8 @@ def test_consumer_on_another_gpu_maps_in_place_or_copies(
             # Access set for the consumer's GPU (peer) or the producer's (copy), read-only.
             want = 1 if peer else 0
             assert [drv.access_device[p] for p in consumer_maps] == [want, want]
-            views = [c for c in attach if c[0] == "tensor_at"]
-            assert [(c[2], c[3]) for c in views] == [(want, True)] * 2  # named device (DLPack)
+            views = drv.views[v0:]
+            assert [(v[1], v[2]) for v in views] == [(want, True)] * 2  # named device (DLPack)
             if not peer:
                 assert ("torch_init", 0) in attach  # torch's context on the source GPU first
 
@@ -1043,12 +1044,12 @@ def test_same_device_consumer_path_is_unchanged(
     monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
     try:
         lease = pool.put(torch.ones(16))
-        n0 = len(drv.calls)
+        n0, v0 = len(drv.calls), len(drv.views)
         with FeatureClient.connect(tmp_path / "fp.sock", cross_gpu="copy") as client:
             assert client.link is not None and client.link.path == "same_device"
             attach = drv.calls[n0:]
             assert not {"can_access_peer", "p2p_attribute"} & {c[0] for c in attach}
-            assert [(c[2], c[3]) for c in attach if c[0] == "tensor_at"] == [(0, False)] * 2
+            assert [(v[1], v[2]) for v in drv.views[v0:]] == [(0, False)] * 2
             out = client.open(pool.describe(lease))
             assert torch.equal(out, torch.ones(16)) and client.fallbacks == {}
             assert "copy_here" not in drv.names()
