@@ -1076,6 +1076,11 @@ def test_unknown_producer_gpu_is_a_clear_error_and_leaks_nothing(
             with pytest.raises(CudaUnavailable, match=r"GPU-fake-0000 is not among the 2 GPU"):
                 FeatureClient.connect(tmp_path / "fp.sock", device=device)
         assert "import_fd" not in drv.names()
+        # Visible but out of reach, with the copy refused: an error at attach, not a copy.
+        drv.uuids = ["fake-0000", "fake-0001"]
+        with pytest.raises(CudaUnavailable, match=r"GPU 1 cannot access GPU 0.*'map'"):
+            FeatureClient.connect(tmp_path / "fp.sock", device="cuda:1", cross_gpu="map")
+        assert "import_fd" not in drv.names()
         assert wait_for(lambda: pool.stats()["consumers_attached"] == 0)
     finally:
         server.close()
