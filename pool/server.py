@@ -14,8 +14,9 @@ has authenticated it costs a socket and a buffer of at most ``MAX_HELLO_FRAME`` 
   anywhere in the domain), compared in constant time;
 - at ``Limits.max_connections`` open connections a newcomer displaces the oldest
   unauthenticated one, or is refused when every connection is an attached consumer.
-Only then does the pool build the welcome (``FeaturePool.welcome``). Every refusal is counted by
-reason (``FeaturePool.note_refused``, exported as ``featpool_handoff_refused_total``).
+Only then does the pool attach the consumer and build its welcome (``FeaturePool.attach_consumer``;
+its connection's end calls ``detach_consumer``). Every refusal is counted by reason
+(``FeaturePool.note_refused``, exported as ``featpool_handoff_refused_total``).
 
 One thread per server runs a selector loop over every connection: requests are tiny, and an idle
 or silent peer costs no thread. Replies are written without blocking; a peer that does not read
@@ -579,7 +580,7 @@ class HandoffServer:
 
 class FabricHandoffServer(HandoffServer):
     """The hand-off for consumers on other nodes: TCP, token mandatory, FABRIC handles in the
-    welcome (``FeaturePool.welcome(remote=True)``), no FDs."""
+    welcome (``FeaturePool.attach_consumer(remote=True)``), no FDs."""
 
     kind = "tcp"
     remote = True

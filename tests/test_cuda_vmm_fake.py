@@ -970,7 +970,7 @@ def served_on_gpu0(
 ) -> tuple[CudaVmmBackend, FeaturePool, HandoffServer]:
     be = CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, driver=drv, rt=FakeRuntime(drv))
     pool = FeaturePool([be], max_leases=8)
-    server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
+    server = HandoffServer(pool, tmp_path / "fp.sock")
     server.start()
     return be, pool, server
 

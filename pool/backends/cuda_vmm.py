@@ -341,7 +341,7 @@ class CudaVmmBackend:
     def remote_control(self) -> dict[str, Any]:
         """The ``control`` section of a remote welcome: the device control words' FABRIC
         handle (base64), size and slot count. Only for authenticated peers: a handle maps the
-        memory. ``FeaturePool.welcome`` builds the message."""
+        memory. ``FeaturePool.attach_consumer`` builds the message."""
         if self.remote is None:
             raise HandoffError("remote consumers are not enabled on this pool")
         return {
@@ -456,7 +456,7 @@ class CudaVmmBackend:
 
     def device_info(self, *, fabric_handles: bool = False) -> dict[str, Any]:
         """The welcome's ``cuda`` section: what consumers need beyond the FDs to find the GPU
-        and map its slabs (``FeaturePool.welcome`` builds the message)."""
+        and map its slabs (``FeaturePool.attach_consumer`` builds the message)."""
         info: dict[str, Any] = {
             "device_index": self.ordinal,
             "device_uuid": self.rt.uuid(),
