@@ -20,6 +20,22 @@ def default_socket_path() -> Path:
     return Path(runtime) / "featpool" / "featpool.sock"
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_http_workers(cores: int, cuda: bool) -> int:
+    """``--http-workers -1``: with a GPU, one front per two cores (1 to 16): each front is a
+    Python process that parses HTTP at one core's speed, and the other half is left to the GPU
+    process (event loop, batch thread, decode threads) and the machine. Without one, none: the
+    CPU encoder needs the cores itself."""
+    return min(max(cores // 2, 1), 16) if cuda else 0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FEATPOOL_", extra="forbid")
 
@@ -27,11 +43,12 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     http_workers: int = Field(
-        0,
-        ge=0,
+        -1,
+        ge=-1,
         le=64,
         description="HTTP front processes that parse uploads and hand them to the GPU process; "
-        "0 serves HTTP in the GPU process",
+        "0 serves HTTP in the GPU process; -1 (default): half the usable cores, at most 16, "
+        "where there is a CUDA device, else 0 (see auto_http_workers)",
     )
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
