@@ -1,5 +1,6 @@
 """The engine: pool, hand-off server, encoder and batcher, built and torn down in order. Routes
-reach it through ``app.state.engine``; tests build it with a fake encoder."""
+reach it only through ``app.engine_client.EngineClient`` (``app.inprocess`` in this process);
+tests build it with a fake encoder."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from app.admission import BoundedExecutor
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
+from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, decode_upright, inspect
@@ -62,8 +64,9 @@ class Engine:
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
-        self.decoder = ThreadPoolExecutor(
-            settings.decode_workers, thread_name_prefix="featpool-decode"
+        # Bounded like admission: admitted images never find it full; anything else does.
+        self.decoder = BoundedExecutor(
+            settings.decode_workers, settings.queue_size, "featpool-decode"
         )
         self.ready = False
         self.dead_reason: str | None = None
@@ -211,66 +214,72 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.pool.close()
-        self.decoder.shutdown(wait=False, cancel_futures=True)
+        self.decoder.shutdown()
 
     # ---- the encode path -------------------------------------------------------------------
 
     async def encode(
         self,
-        images: Sequence[tuple[str, bytes]],
+        images: Sequence[ImageIn],
         ttl_s: float | None,
         *,
         pooled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> list[Lease]:
-        """Validate, decode, batch, encode and publish; all or nothing: on any failure no
-        lease remains. Every image is validated before any is queued."""
+        """Decode, batch, encode and publish; all or nothing: on any failure no lease remains.
+        Every image is decoded (or, for nvJPEG, its header checked) before any is queued. The
+        caller holds an admission permit for these images (app/admission.py)."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
-        s = self.settings
         size = self.encoder.image_size
-        jobs: list[Job | None] = [None] * len(images)
+        # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
+        jobs: list[Job | None] = [
+            Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
+            if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
+            else None
+            for img in images
+        ]
+        todo = [i for i, j in enumerate(jobs) if j is None]
         try:
-            if self.jpeg is not None:
-                # JPEGs for nvJPEG: only the header is parsed here (tens of microseconds, less
-                # than a hop to the thread pool); the pixels are decoded on the GPU in batches.
-                for i, (label, data) in enumerate(images):
-                    if data[:3] == b"\xff\xd8\xff":
-                        h = inspect(
-                            data,
-                            max_pixels=s.max_image_pixels,
-                            max_bytes=s.max_image_bytes,
-                            label=label,
-                        )
-                        if h.gpu_jpeg:
-                            jobs[i] = Job(
-                                label,
-                                ttl_s,
-                                jpeg=data,
-                                orientation=h.orientation,
-                                pooled=pooled,
-                                dtype=dtype,
-                            )
-            loop = asyncio.get_running_loop()
-            todo = [i for i, j in enumerate(jobs) if j is None]
+            # Off the event loop, on the bounded decode pool: a header can take seconds to
+            # parse (a JPEG full of empty markers), a decode longer.
             tasks = [
-                loop.run_in_executor(self.decoder, self._decode, *images[i], size) for i in todo
+                asyncio.ensure_future(self.decoder.run(self._prepare, images[i], size))
+                for i in todo
             ]
             try:
-                for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
-                    jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
+                for i, done in zip(todo, await asyncio.gather(*tasks), strict=True):
+                    jobs[i] = done
             except BaseException:
-                for t in tasks:
+                for t in tasks:  # the ones not started yet are dropped from the pool's queue
                     t.cancel()
                 raise
         except ApiError:
             self.metrics.images.labels("rejected").inc(len(images))
             raise
-        leases = await self.batcher.submit([j for j in jobs if j is not None])
+        ready = [j for j in jobs if j is not None]
+        for j in ready:
+            j.ttl_s, j.pooled, j.dtype = ttl_s, pooled, dtype
+        leases = await self.batcher.submit(ready)
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
+
+    def _prepare(self, img: ImageIn, size: int) -> Job:
+        """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its
+        header already parsed at the entrance); anything else is decoded here by Pillow."""
+        s = self.settings
+        if self.jpeg is not None and img.data[:3] == b"\xff\xd8\xff":
+            h = img.header or inspect(
+                img.data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                label=img.label,
+            )
+            if h.gpu_jpeg:
+                return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
+        return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
     def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
         t0 = time.perf_counter()

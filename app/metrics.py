@@ -141,6 +141,13 @@ class HttpMetrics:
         self.rejected = Counter(
             "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
         )
+        self.admission = Counter(
+            "featpool_admission_images",
+            "Images of encode requests at the entrance: admitted, refused (429: no room), invalid "
+            "(refused at the header, before the engine: not an image, over a limit)",
+            ["outcome"],
+            registry=r,
+        )
 
 
 class Metrics(HttpMetrics):
@@ -194,6 +201,16 @@ class Metrics(HttpMetrics):
             "featpool_queue_depth", "Images waiting for the encoder", registry=r
         )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
+        self.admitted_images = Gauge(
+            "featpool_admission_in_flight_images",
+            "Images holding an admission permit (being inspected, decoded, queued or encoded)",
+            registry=r,
+        )
+        self.admitted_bytes = Gauge(
+            "featpool_admission_in_flight_decoded_bytes",
+            "Decoded bytes (from the headers) of the images holding an admission permit",
+            registry=r,
+        )
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))
