@@ -18,7 +18,7 @@ def test_auto_http_workers_is_half_the_cores_with_a_gpu_bounded() -> None:
     assert auto_http_workers(1, cuda=True) == 1
     assert auto_http_workers(128, cuda=True) == 16
     assert auto_http_workers(16, cuda=False) == 0
-    assert 1 <= usable_cores()
+    assert usable_cores() >= 1
 
 
 def _run_cli(
