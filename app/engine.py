@@ -75,6 +75,11 @@ class Engine:
         self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
 
+    @property
+    def decoder_name(self) -> str:
+        """The JPEG decoder chosen at start-up (``--decoder``): nvjpeg, nvimgcodec or pillow."""
+        return self.jpeg.name if self.jpeg is not None else "pillow"
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -115,7 +120,9 @@ class Engine:
         if encoder is None:
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
-        self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
+        self.jpeg = await asyncio.to_thread(
+            JpegDecoder.create, self.device, s.gpu_decode, s.decoder
+        )
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
         self._spec = getattr(encoder, "preprocess_spec", None)

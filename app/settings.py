@@ -107,7 +107,13 @@ class Settings(BaseSettings):
         True, description="replay a captured CUDA graph per padded batch size (CUDA only)"
     )
     gpu_decode: Literal["auto", "on", "off"] = Field(
-        "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never"
+        "auto", description="JPEG decode on the GPU: if available, required, never"
+    )
+    decoder: Literal["auto", "nvjpeg", "nvimgcodec", "pillow"] = Field(
+        "auto",
+        description="JPEG decoder, chosen at start-up: nvjpeg (torchvision), nvimgcodec (the "
+        "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); auto: the first "
+        "GPU one that works, else pillow. A named one that does not work stops start-up",
     )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
