@@ -28,9 +28,7 @@ pytestmark = [
 def photos() -> list[bytes]:
     from skimage import data
 
-    return [
-        jpeg(Image.fromarray(f()), quality=90) for f in (data.astronaut, data.coffee, data.chelsea)
-    ]
+    return [jpeg(f(), quality=90) for f in (data.astronaut, data.coffee, data.chelsea)]
 
 
 def frombytes(b: bytes) -> torch.Tensor:
