@@ -74,6 +74,7 @@ class Engine:
         self._mean = self._std = torch.empty(0)
         self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
+        self._decode_stream: Any = None  # CUDA: decode and preprocess run on their own
 
     @property
     def decoder_name(self) -> str:
@@ -120,6 +121,8 @@ class Engine:
         if encoder is None:
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
+        if self.device.type == "cuda":
+            self._decode_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.jpeg = await asyncio.to_thread(
             JpegDecoder.create, self.device, s.gpu_decode, s.decoder
         )
@@ -364,13 +367,31 @@ class Engine:
             return x.pin_memory().to(self.device, non_blocking=True)
         return x
 
+    def _pixels_beside_forward(
+        self, jobs: list[Job]
+    ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
+        """``_pixels`` on a CUDA stream of its own: the batch thread launches a batch's forward
+        and goes on without waiting for it, so the next batch's decode (nvJPEG kernels, or the
+        hardware decoder) and resize run on the GPU beside that forward instead of queueing
+        behind it on one stream. The forward waits for them."""
+        side = self._decode_stream
+        if side is None:
+            return self._pixels(jobs)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(side):
+            ok, x, failed = self._pixels(jobs)
+        main.wait_stream(side)
+        if x is not None:
+            x.record_stream(main)  # its memory is not reused by the side stream before main is done
+        return ok, x, failed
+
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
         An image that cannot be decoded fails alone; a CUDA error fails the batch and marks
         the service not live."""
         assert self.encoder is not None and self.pool is not None
         try:
-            ok, x, failed = self._pixels(jobs)
+            ok, x, failed = self._pixels_beside_forward(jobs)
             results: list[Lease | BaseException] = [
                 failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
             ]
