@@ -396,7 +396,7 @@ def run_point(
 def parse_points(spec: str, server: str) -> list[Point]:
     """'raw:1x16,raw:1x64,mp:8x32' -> points (body:images_per_request x concurrency)."""
     out = []
-    for item in spec.split(","):
+    for item in filter(None, spec.split(",")):  # "" : no points (that server is not started)
         body, rest = item.split(":")
         k, c = rest.split("x")
         out.append(Point(server, int(c), int(k), body == "mp"))
@@ -460,6 +460,8 @@ def main() -> None:
         ("featpool", args.featpool_args, args.points),
         ("naive", args.baseline_args, args.baseline_points),
     ):
+        if not parse_points(spec, name):
+            continue
         srv = Server(args, extra.split(), args.logs / f"bench_server_{name}.log")
         print(f"{name} (transport {srv.transport}): {' '.join(srv.cmd[1:])}", flush=True)
         try:
