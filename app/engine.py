@@ -102,6 +102,7 @@ class Engine:
             policy=s.fallback,
             wait_s=s.fallback_wait_s,
             inline_max_bytes=s.inline_max_bytes,
+            quarantine_s=s.quarantine_s,
         )
         for reason, tier in self.caps.startup_fallbacks:
             self.pool.fallbacks[(reason, tier)] += 1

@@ -119,6 +119,26 @@ class PoolCollector(Collector):
         for tier, n in s["alloc_failures"].items():
             failures.add_metric([tier], n)
         yield failures
+        quarantine = CounterMetricFamily(
+            "featpool_lease_quarantine",
+            "Leases whose memory was kept after they ended because a consumer still had them "
+            "open (held), and how each hold ended (released: every opener acked or detached; "
+            "timed_out: reused after the quarantine limit)",
+            labels=["outcome"],
+        )
+        for outcome in ("held", "released", "timed_out"):
+            quarantine.add_metric([outcome], s.get("quarantine", {}).get(outcome, 0))
+        yield quarantine
+        yield GaugeMetricFamily(
+            "featpool_quarantined_leases",
+            "Ended leases whose memory is held for consumers that opened them",
+            value=s.get("quarantined_leases", 0),
+        )
+        yield GaugeMetricFamily(
+            "featpool_quarantined_bytes",
+            "Bytes held by quarantined leases (counted in featpool_pool_used_bytes too)",
+            value=s.get("quarantined_bytes", 0),
+        )
 
 
 class HttpMetrics:

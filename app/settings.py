@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
     lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
     max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
+    quarantine_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long an ended lease a consumer still has open keeps its memory",
+    )
     fallback: Literal["fallback", "wait", "reject"] = Field(
         "fallback", description="when the first tier is full: next tier, bounded wait, or 503"
     )

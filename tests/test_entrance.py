@@ -309,7 +309,12 @@ def test_the_gpu_process_bounds_all_fronts_together(tmp_path: Path) -> None:
                 [lease] = await client.encode([ImageIn("y", JPEG, header)], EncodeOptions())
                 assert (await client.lease(lease.lease_id)).slot == lease.slot
                 assert (await client.tensor(lease.lease_id))[:8]  # a safetensors file
+                assert (await client.renew(lease.lease_id, 30.0)).ttl_s == 30.0
+                assert (await client.pool_info())["leases_active"] == 1
                 await client.release(lease.lease_id)
+                with pytest.raises(ApiError) as gone:
+                    await client.lease(lease.lease_id)
+                assert gone.value.status == 410  # the error table's kinds travel the channel
                 assert (await client.health()).ready
             finally:
                 await client.close()
