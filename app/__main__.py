@@ -19,6 +19,7 @@ from app import logs
 from app.backends import preflight
 from app.encoders import check_encoder_name
 from app.front import listen_shared, settings_env
+from app.http_protocol import http_protocol
 from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings, auto_http_workers, usable_cores
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             create_app(settings),
             host=settings.host,
             port=settings.port,
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(
             app,
             fd=listener.fileno(),
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,

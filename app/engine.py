@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -18,30 +18,72 @@ from app.admission import BoundedExecutor
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
-from app.encoders.base import Encoder
+from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
-from app.preprocess import ImageSpec
+from app.preprocess import ImageSpec, orient
 from app.settings import Settings
-from pool.errors import CudaUnavailable, PoolError
-from pool.featurepool import FeaturePool
-from pool.leases import Lease
+from pool.errors import CudaError, CudaUnavailable, PoolError
+from pool.featurepool import FeaturePool, lease_slots
+from pool.leases import ImageGrid, Lease
 from pool.server import FabricHandoffServer, HandoffServer
 
 log = logging.getLogger(__name__)
 
 MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU queue
 
+# CUDA errors that leave the context unusable ("sticky": every later call fails too), so the
+# process must restart: the runtime's code and its cudaGetErrorString text (the driver's
+# CUresult numbers are the same). Anything else fails its batch and the service lives on.
+STICKY_CUDA_ERRORS = {
+    214: "uncorrectable ECC error encountered",
+    700: "an illegal memory access was encountered",
+    702: "the launch timed out and was terminated",
+    709: "context is destroyed",
+    710: "device-side assert triggered",
+    714: "hardware stack error",
+    715: "an illegal instruction was encountered",
+    716: "misaligned address",
+    717: "operation not supported on global/shared address space",
+    718: "invalid program counter",
+    719: "unspecified launch failure",
+}
+_STICKY_BY_TEXT = {text: code for code, text in STICKY_CUDA_ERRORS.items()}
+CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY
+
+
+def cuda_error_code(e: BaseException) -> int | None:
+    """The CUDA error code an exception carries: a driver call's CUresult (pool.errors.
+    CudaError), torch.AcceleratorError's ``error_code``, or, from a torch that raises a plain
+    RuntimeError, the code whose error string follows torch's "CUDA error: " prefix."""
+    if isinstance(e, CudaError):
+        return e.code
+    code = getattr(e, "error_code", None)
+    if isinstance(code, int):
+        return code
+    head, sep, rest = str(e).partition("CUDA error: ")
+    if isinstance(e, RuntimeError) and sep and not head:
+        return _STICKY_BY_TEXT.get(rest.split("\n", 1)[0].strip().rstrip("."))
+    return None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or cuda_error_code(e) == CUDA_OUT_OF_MEMORY
+
+
+def is_sticky(e: BaseException) -> bool:
+    return cuda_error_code(e) in STICKY_CUDA_ERRORS
+
 
 @dataclass
 class Job:
     label: str
     ttl_s: float | None
-    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing,
-    # [3, H, W] at full size, upright)
+    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing or a
+    # dynamic encoder, [3, H, W] at full size, upright)
     pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
@@ -51,7 +93,10 @@ class Job:
 
 class Engine:
     def __init__(
-        self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        encoder: Encoder | DynamicEncoder | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -61,7 +106,7 @@ class Engine:
         self.pool: FeaturePool | None = None
         self.server: HandoffServer | None = None
         self.fabric_server: FabricHandoffServer | None = None
-        self.encoder: Encoder | None = None
+        self.encoder: Encoder | DynamicEncoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
         # Bounded like admission: admitted images never find it full; anything else does.
@@ -94,10 +139,15 @@ class Engine:
     async def _start(self) -> None:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
+        # The encoder first: its output size sets how many lease slots the pool needs.
+        encoder = self._encoder
+        if encoder is None:
+            encoder = await asyncio.to_thread(self._build_encoder)
+        self.encoder = encoder
         backends, self.caps = build_backends(s, self.device)
         self.pool = FeaturePool(
             backends,
-            max_leases=s.max_leases,
+            max_leases=s.max_leases or self._lease_slots(backends),
             default_ttl_s=s.lease_ttl_s,
             max_ttl_s=s.max_lease_ttl_s,
             policy=s.fallback,
@@ -119,18 +169,17 @@ class Engine:
         )
         self.server.start()
         self._start_remote()
-        encoder = self._encoder
-        if encoder is None:
-            encoder = await asyncio.to_thread(self._build_encoder)
-        self.encoder = encoder
         if self.device.type == "cuda":
             self._decode_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.jpeg = await asyncio.to_thread(
             JpegDecoder.create, self.device, s.gpu_decode, s.decoder
         )
-        self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
-        self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        self._spec = getattr(encoder, "preprocess_spec", None)
+        self._spec = None
+        if not is_dynamic(encoder):  # a dynamic encoder normalises by its own processor
+            fixed = cast(Encoder, encoder)
+            self._mean = torch.tensor(fixed.mean, device=self.device).view(1, 3, 1, 1) * 255
+            self._std = torch.tensor(fixed.std, device=self.device).view(1, 3, 1, 1) * 255
+            self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -138,7 +187,7 @@ class Engine:
             and self.device.type == "cuda"
         )
         if graphs:
-            encoder.enable_cuda_graphs()  # type: ignore[attr-defined]
+            encoder.enable_cuda_graphs()  # type: ignore[union-attr]
         if (
             (s.encoder_compile or graphs)
             and self.device.type == "cuda"
@@ -162,7 +211,21 @@ class Engine:
         self.batcher.start()
         self.ready = True
 
-    def _build_encoder(self) -> Encoder:
+    def _lease_slots(self, backends: Sequence[Any]) -> int:
+        """--max-leases 0: enough slots that, at the encoder's (unpooled) feature size, every
+        tier and the inline bound run out of bytes before the slots run out."""
+        assert self.encoder is not None
+        rows, dim = self.encoder.output_shape  # type: ignore[union-attr]
+        if is_dynamic(self.encoder):
+            # Tokens vary per image: size the slots for a small one (448 px square), so that
+            # bytes still run out before slots for almost every image.
+            t, h, w = cast(DynamicEncoder, self.encoder).grid(448, 448)
+            rows = t * h * w // int(getattr(self.encoder, "merge_unit", 1))
+        feature = rows * dim * self.encoder.dtype.itemsize
+        capacity = sum(sum(b.slab_sizes) for b in backends) + self.settings.inline_max_bytes
+        return lease_slots(capacity, feature)
+
+    def _build_encoder(self) -> Encoder | DynamicEncoder:
         s = self.settings
         dtype = None if s.dtype == "auto" else getattr(torch, s.dtype)
         return build_encoder(
@@ -244,9 +307,15 @@ class Engine:
         caller holds an admission permit for these images (app/admission.py)."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
+        if self.dead_reason:
+            raise ApiError("not_ready", f"the engine is dead ({self.dead_reason}); restarting")
         if self.pool is not None and ttl_s is not None:
-            self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
-        size = self.encoder.image_size
+            try:
+                self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
+            except ValueError as e:
+                raise ApiError("validation_error", str(e)) from None
+        # A dynamic encoder takes each image at its full size and resizes it by its own rule.
+        size = None if is_dynamic(self.encoder) else cast(Encoder, self.encoder).image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
             Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
@@ -279,7 +348,7 @@ class Engine:
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
-    def _prepare(self, img: ImageIn, size: int) -> Job:
+    def _prepare(self, img: ImageIn, size: int | None) -> Job:
         """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its
         header already parsed at the entrance); anything else is decoded here by Pillow."""
         s = self.settings
@@ -288,22 +357,33 @@ class Engine:
                 img.data,
                 max_pixels=s.max_image_pixels,
                 max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
                 label=img.label,
             )
             if h.gpu_jpeg:
                 return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
-    def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
+    def _decode(self, label: str, data: bytes, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        if self._spec is not None:  # the model's preprocessing runs on the device, at full size
+        if size is None or self._spec is not None:
+            # a dynamic encoder, or the model's preprocessing: on the device, at full size
             out = decode_upright(
-                data, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+                data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
             )
         else:
             out = decode(
-                data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+                data,
+                size,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
             )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
@@ -313,8 +393,8 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
         that decoded: (their indices, [n, 3, S, S] normalised floats on the device, failures)."""
-        assert self.encoder is not None
-        size = self.encoder.image_size
+        assert self.encoder is not None and not is_dynamic(self.encoder)
+        size = cast(Encoder, self.encoder).image_size
         failed: dict[int, BaseException] = {}
         host: dict[int, torch.Tensor] = {
             i: j.pixels for i, j in enumerate(jobs) if j.pixels is not None
@@ -376,6 +456,8 @@ class Engine:
         runs on a stream of its own, so on the GPU too this decode runs beside the forward the
         batch thread launched, instead of queueing behind it; that batch's forward waits for
         the event recorded here. ``_run_batch`` picks the result up (same list object)."""
+        if self.encoder is None or is_dynamic(self.encoder):  # it decodes in _run_dynamic
+            return
         side = self._decode_stream
         try:
             if side is None:
@@ -388,14 +470,18 @@ class Engine:
             if x is not None:  # not reused by the side stream before the forward is done
                 x.record_stream(torch.cuda.current_stream(self.device))
             self._prepared[id(jobs)] = (ok, x, failed, ready)
-        except RuntimeError as e:  # a CUDA error: _run_batch reports it
+        except Exception as e:  # _run_batch reports it like its own errors
             self._prepared[id(jobs)] = e
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
-        An image that cannot be decoded fails alone; a CUDA error fails the batch and marks
-        the service not live."""
+        An image that cannot be decoded fails alone; a CUDA out-of-memory in the encoder splits
+        the batch; any other error fails the batch, and a sticky CUDA error marks the service
+        not live."""
         assert self.encoder is not None and self.pool is not None
+        if is_dynamic(self.encoder):
+            return self._run_dynamic(jobs, cast(DynamicEncoder, self.encoder))
+        encoder = cast(Encoder, self.encoder)
         try:
             prepared = self._prepared.pop(id(jobs), None)
             if prepared is None:  # called without the prepare stage
@@ -411,44 +497,170 @@ class Engine:
             if x is None:
                 return results
             start = self._event()
-            n = x.shape[0]
-            pad = next((b for b in self._buckets if b >= n), n) - n
-            if pad:
-                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-            feats = self.encoder.encode(x)[:n]
+            chunks = self._forward_split(x)
             self._track(start, len(ok))
-            pooled = feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None
-        except RuntimeError as e:
-            self._check_cuda(e, "the encoder")
-            return [e] * len(jobs)
-        # Publish per TTL (jobs of one request share theirs): one put_many each, so the GPU
-        # tier copies the whole group with one launch.
-        groups: dict[float | None, list[tuple[int, torch.Tensor]]] = {}
+            any_pooled = any(jobs[i].pooled for i in ok)
+            rows: list[tuple[torch.Tensor | None, torch.Tensor | None] | BaseException] = []
+            for k, chunk in chunks:
+                if isinstance(chunk, BaseException):
+                    rows += [chunk] * k
+                    continue
+                pooled = chunk.float().mean(1) if any_pooled else None
+                rows += [(chunk[r], pooled[r] if pooled is not None else None) for r in range(k)]
+        except Exception as e:
+            return [self._batch_error(e, "the encoder")] * len(jobs)
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
         for row, i in enumerate(ok):
+            job, got = jobs[i], rows[row]
+            if isinstance(got, BaseException):
+                results[i] = got
+                continue
+            feats, pooled = got
+            f = pooled if job.pooled and pooled is not None else feats
+            assert f is not None
+            out[i] = (f.to(job.dtype or encoder.dtype), None)
+        return self._publish(jobs, out, results)
+
+    def _run_dynamic(self, jobs: list[Job], encoder: DynamicEncoder) -> list[Lease | BaseException]:
+        """``_run_batch`` for a dynamic-resolution encoder: every image keeps its own size
+        and its own number of tokens; the encoder packs them into one forward."""
+        try:
+            images, failed = self._images(jobs, encoder)
+            results: list[Lease | BaseException] = [
+                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
+            ]
+            ok = sorted(images)
+            if not ok:
+                return results
+            start = self._event()
+            encoded = encoder.encode_images([images[i] for i in ok])
+            self._track(start, len(ok))
+        except Exception as e:
+            return [self._batch_error(e, "the encoder")] * len(jobs)
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
+        for i, (feats, (t, h, w)) in zip(ok, encoded, strict=True):
             job = jobs[i]
-            f = pooled[row] if job.pooled and pooled is not None else feats[row]
-            groups.setdefault(job.ttl_s, []).append((i, f.to(job.dtype or self.encoder.dtype)))
+            f = feats.float().mean(0) if job.pooled else feats
+            out[i] = (f.to(job.dtype or encoder.dtype), ImageGrid(t, h, w, int(feats.shape[0])))
+        return self._publish(jobs, out, results)
+
+    def _images(
+        self, jobs: list[Job], encoder: DynamicEncoder
+    ) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
+        """Each job's upright RGB ``[3, H, W]`` uint8 on the device (nvJPEG decodes what is
+        still encoded, batched), and the failures: undecodable, or a shape the model refuses."""
+        failed: dict[int, BaseException] = {}
+        images: dict[int, torch.Tensor] = {}
+        gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
+        if gpu_idx:
+            assert self.jpeg is not None
+            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
+            for i, decoded in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
+                if isinstance(decoded, torch.Tensor):
+                    images[i] = orient(decoded, jobs[i].orientation)
+                    continue
+                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, decoded)
+                try:
+                    jobs[i].pixels = self._decode(jobs[i].label, jobs[i].jpeg, None)
+                except ApiError as e:
+                    failed[i] = e
+        for i, job in enumerate(jobs):
+            if job.pixels is not None and i not in failed:
+                x = job.pixels
+                if self.device.type == "cuda":
+                    x = x.pin_memory().to(self.device, non_blocking=True)
+                images[i] = x
+        for i, x in list(images.items()):
+            try:
+                encoder.grid(int(x.shape[-2]), int(x.shape[-1]))
+            except ValueError as e:
+                failed[i] = ApiError("invalid_image", f"{jobs[i].label}: {e}")
+                del images[i]
+        return images, failed
+
+    def _publish(
+        self,
+        jobs: list[Job],
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]],
+        results: list[Lease | BaseException],
+    ) -> list[Lease | BaseException]:
+        """Publish each job's features (and image grid) into the pool. Per TTL (jobs of one
+        request share theirs): one put_many each, so the GPU tier copies the whole group with
+        one launch."""
+        assert self.pool is not None
+        groups: dict[float | None, list[tuple[int, torch.Tensor, ImageGrid | None]]]
+        groups = {}
+        for i, (f, grid) in out.items():
+            groups.setdefault(jobs[i].ttl_s, []).append((i, f, grid))
         for ttl, members in groups.items():
             t0 = time.perf_counter()
             try:
                 placed: list[Lease | BaseException] = list(
-                    self.pool.put_many([f for _, f in members], ttl)
+                    self.pool.put_many([f for _, f, _ in members], ttl, [g for _, _, g in members])
                 )
             except ValueError as e:
-                placed = [e] * len(members)
-            except RuntimeError as e:  # the batch's other leases stay valid and are returned
-                self._check_cuda(e, "publishing")
-                placed = [e] * len(members)
+                placed = [ApiError("validation_error", str(e))] * len(members)
+            except Exception as e:
+                # put_many has released this group's leases already; the batch's other groups
+                # stay valid and are returned (or discarded by the batcher if their request
+                # failed).
+                placed = [self._batch_error(e, "publishing")] * len(members)
             per_lease = (time.perf_counter() - t0) / len(members)
-            for (i, _), result in zip(members, placed, strict=True):
+            for (i, _, _), result in zip(members, placed, strict=True):
                 results[i] = result
                 self.metrics.publish_seconds.observe(per_lease)
         return results
 
-    def _check_cuda(self, e: BaseException, where: str) -> None:
-        if "CUDA" in str(e) or "cuda" in str(e):
-            self.dead_reason = f"CUDA error in {where}: {e}"
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.encoder is not None
+        n = x.shape[0]
+        pad = next((b for b in self._buckets if b >= n), n) - n
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        return cast(Encoder, self.encoder).encode(x)[:n]
+
+    def _forward_split(self, x: torch.Tensor) -> list[tuple[int, torch.Tensor | BaseException]]:
+        """The encoder's output in chunks of rows: (rows, features or error). On a CUDA
+        out-of-memory the batch is encoded again in halves, down to one image, which then
+        fails alone (503); the service stays live."""
+        n = x.shape[0]
+        try:
+            return [(n, self._forward(x))]
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            error = self._out_of_memory(e)
+        # Retried outside the except clause: its traceback holds the failed forward's tensors.
+        log.warning(
+            "CUDA out of memory encoding %d image(s); %s", n, "split" if n > 1 else "failed"
+        )
+        if n == 1:
+            return [(1, error)]
+        return self._forward_split(x[: n // 2]) + self._forward_split(x[n // 2 :])
+
+    @staticmethod
+    def _out_of_memory(e: BaseException) -> ApiError:
+        return ApiError(
+            "gpu_out_of_memory",
+            f"the GPU ran out of memory for this image ({type(e).__name__}); retry later",
+            headers={"Retry-After": "1"},
+        )
+
+    def _batch_error(self, e: Exception, where: str) -> BaseException:
+        """What a batch that raised answers, by the error's type and CUDA code (never its
+        text alone): out of memory -> 503, the service lives; a sticky CUDA error -> the
+        service reports not live (it must restart); anything else fails only this batch."""
+        if is_out_of_memory(e):
+            log.warning("CUDA out of memory in %s: %s", where, e)
+            return self._out_of_memory(e)
+        if is_sticky(e):
+            self.dead_reason = f"CUDA error {cuda_error_code(e)} in {where}: {e}"
             log.critical("%s; the service reports not live", self.dead_reason)
+            return ApiError("cuda_error", self.dead_reason)
+        if isinstance(e, PoolError | ApiError):
+            return e
+        log.error("batch failed in %s: %s: %s", where, type(e).__name__, e, exc_info=e)
+        return ApiError("internal_error", f"the batch failed in {where}: {type(e).__name__}: {e}")
 
     def _event(self) -> Any:
         if self.device.type != "cuda":

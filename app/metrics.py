@@ -17,6 +17,8 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -119,6 +121,11 @@ class PoolCollector(Collector):
         for tier, n in s["alloc_failures"].items():
             failures.add_metric([tier], n)
         yield failures
+        yield CounterMetricFamily(
+            "featpool_lease_slots_exhausted",
+            "Tensors refused because every lease slot was in use (bytes may have been free)",
+            value=s.get("slot_exhaustions", 0),
+        )
         quarantine = CounterMetricFamily(
             "featpool_lease_quarantine",
             "Leases whose memory was kept after they ended because a consumer still had them "
@@ -183,6 +190,10 @@ class Metrics(HttpMetrics):
             # traffic, so its own counts stay off the export and the fronts' sum goes on it.
             super().__init__(CollectorRegistry())
             MultiProcessCollector(r, path=str(front_metrics_dir))  # type: ignore[no-untyped-call]
+        # process_* of this (the GPU) process: open FDs above all, since the hand-off passes
+        # them; and python_info. Default collectors register on the global registry, not here.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.build_info = Gauge(
             "featpool_build_info",
             "Build and runtime versions",

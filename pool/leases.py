@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from pool.allocator import Extent
-from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
+from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, SlotsExhausted
 
 GEN_MAX = 2**32 - 1  # generations are u32 words in the control block; 0 means "never used"
 
@@ -32,6 +32,18 @@ class LeaseState(StrEnum):
     READY = "ready"
     RELEASED = "released"
     EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class ImageGrid:
+    """The image grid of a dynamic-resolution encoder (Qwen2-VL): (t, h, w) in patches, and
+    the number of tokens the image gives (t*h*w / merge**2), which the consumer needs to
+    place the features and build their positions."""
+
+    t: int
+    h: int
+    w: int
+    tokens: int
 
 
 @dataclass(slots=True)
@@ -48,6 +60,7 @@ class Lease:
     deadline: float  # monotonic clock
     ttl_s: float
     state: LeaseState = LeaseState.RESERVED
+    grid: ImageGrid | None = None  # set by dynamic-resolution encoders only
     inline: Any = field(default=None, repr=False)  # the tensor itself for the inline tier
 
     def expires_at(self, clock: Callable[[], float]) -> float:
@@ -85,6 +98,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._active)
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._active.values()))
 
@@ -99,7 +116,7 @@ class LeaseTable:
         ttl_s: float,
     ) -> Lease:
         if not self._free_slots:
-            raise PoolExhausted(f"all {self.max_slots} lease slots are in use")
+            raise SlotsExhausted(f"all {self.max_slots} lease slots are in use")
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         slot, _ = self._free_slots.popitem(last=False)
