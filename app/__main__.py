@@ -3,6 +3,7 @@ variable (``FEATPOOL_POOL_BYTES``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from app.front import listen_shared, settings_env
 from app.http_protocol import http_protocol
 from app.jobs import channel_paths
 from app.main import create_app
-from app.settings import Settings
+from app.settings import Settings, auto_http_workers, usable_cores
 from pool.errors import PoolError
 
 
@@ -90,6 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     except (PoolError, ValueError) as e:
         sys.exit(f"featpool: {e}")
     logs.setup(settings.log_level, settings.log_json)
+    if settings.http_workers < 0:
+        import torch
+
+        cuda = settings.device != "cpu" and torch.cuda.is_available()
+        settings.http_workers = auto_http_workers(usable_cores(), cuda)
+        logging.getLogger("app").info(
+            "--http-workers %d (of %d usable cores)", settings.http_workers, usable_cores()
+        )
     # The batch thread launches GPU work and publishes leases while the event loop parses HTTP.
     # A thread that gave up the GIL (in a CUDA driver call, say) waits up to the switch interval
     # to get it back from a busy thread: 5 ms by default, longer than a whole batch's forward.

@@ -1,10 +1,11 @@
-"""JPEG decode on the GPU (nvJPEG through torchvision), and the resize that follows it.
+"""JPEG decode on the GPU (nvJPEG through torchvision, or nvImageCodec), and the resize that
+follows it.
 
-torchvision is imported lazily: it is optional, and the service runs without it (Pillow decodes
-everything on the CPU then). ``preprocess`` is featpool's default preprocessing (for encoders
-without a processor config of their own; those use ``app.preprocess.ImageSpec``); it is plain
-torch and runs on any device, so its behaviour (EXIF orientation, crop, antialiased resize) is
-tested on the CPU against Pillow.
+torchvision and nvImageCodec are imported lazily: both are optional, and the service runs
+without them (Pillow decodes everything on the CPU then). ``preprocess`` is featpool's default
+preprocessing (for encoders without a processor config of their own; those use
+``app.preprocess.ImageSpec``); it is plain torch and runs on any device, so its behaviour (EXIF
+orientation, crop, antialiased resize) is tested on the CPU against Pillow.
 """
 
 from __future__ import annotations
@@ -56,49 +57,105 @@ def preprocess(
     return out
 
 
-def _torchvision_decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _torchvision_decoder(device: torch.device) -> DecodeFn:
+    """nvJPEG through torchvision (batched; CUDA cores do the IDCT and colour conversion)."""
+    _need_cuda(device)
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    out = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
-    return out if isinstance(out, list) else [out]
+    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        out = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+        return out if isinstance(out, list) else [out]
+
+    return decode
+
+
+def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
+    """nvImageCodec (``nvidia-nvimgcodec-cu13`` with ``nvidia-nvjpeg``): the GPU's hardware
+    JPEG decoder where it has one (A100, H100, H200: it leaves the SMs to the encoder), else
+    nvImageCodec's CUDA decoder. Planar RGB, EXIF orientation left to ``preprocess`` like
+    nvJPEG's output; decoded on torch's current stream."""
+    _need_cuda(device)
+    from nvidia import nvimgcodec  # type: ignore[import-not-found]
+
+    kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY)
+    decoder = nvimgcodec.Decoder(
+        device_id=device.index or 0, backends=[nvimgcodec.Backend(k) for k in kinds]
+    )
+    params = nvimgcodec.DecodeParams(
+        apply_exif_orientation=False,
+        color_spec=nvimgcodec.ColorSpec.SRGB,
+        sample_format=nvimgcodec.SampleFormat.P_RGB,
+    )
+
+    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        out = decoder.decode(streams, params=params, cuda_stream=stream)
+        failed = [i for i, im in enumerate(out) if im is None]
+        if failed:  # JpegDecoder.decode retries one by one: each failure fails alone
+            raise RuntimeError(f"nvImageCodec could not decode image(s) {failed} of {len(out)}")
+        return [torch.utils.dlpack.from_dlpack(im) for im in out]
+
+    return decode
+
+
+def _need_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise RuntimeError(f"the device is {device}")
+
+
+DecoderName = Literal["auto", "nvjpeg", "nvimgcodec", "pillow"]
+# The GPU JPEG decoders, and the order in which --decoder auto tries them.
+GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
+    "nvjpeg": _torchvision_decoder,
+    "nvimgcodec": _nvimgcodec_decoder,
+}
 
 
 class JpegDecoder:
-    """Batched nvJPEG. A batch the library refuses is retried image by image, so one bad JPEG
-    fails only itself; the caller falls back to Pillow for the images that still fail."""
+    """Batched GPU JPEG decode. A batch the library refuses is retried image by image, so one
+    bad JPEG fails only itself; the caller falls back to Pillow for the images that still
+    fail. ``name`` says which library decodes (``nvjpeg``, ``nvimgcodec``)."""
 
-    def __init__(self, device: torch.device, decode_fn: DecodeFn = _torchvision_decode) -> None:
+    def __init__(
+        self, device: torch.device, decode_fn: DecodeFn | None = None, name: str = "nvjpeg"
+    ) -> None:
         self.device = device
-        self._decode = decode_fn
+        self._decode = decode_fn or _torchvision_decoder(device)
+        self.name = name
 
     @classmethod
-    def create(cls, device: torch.device, mode: Literal["auto", "on", "off"]) -> JpegDecoder | None:
-        """The GPU decoder, or None where Pillow decodes (``off``, no CUDA, no torchvision).
-        ``on`` insists: no GPU decode is a start-up error."""
-        if mode == "off":
+    def create(
+        cls,
+        device: torch.device,
+        mode: Literal["auto", "on", "off"] = "auto",
+        decoder: DecoderName = "auto",
+    ) -> JpegDecoder | None:
+        """The GPU decoder that ``--decoder`` names, or None where Pillow decodes. ``auto``
+        takes the first of GPU_DECODERS that loads and decodes a test JPEG, else Pillow (or a
+        start-up error under ``--gpu-decode on``); a named one that does not work is a start-up
+        error; ``pillow`` and ``--gpu-decode off`` decode on the CPU."""
+        if mode == "off" or decoder == "pillow":
+            if decoder not in ("auto", "pillow"):
+                raise RuntimeError(f"--decoder {decoder} contradicts --gpu-decode off")
             return None
-        why = ""
-        if device.type != "cuda":
-            why = f"the device is {device}"
-        else:
+        reasons = []
+        for name in GPU_DECODERS if decoder == "auto" else [decoder]:
             try:
-                import torchvision.io  # noqa: F401
-            except ImportError as e:
-                why = f"torchvision is not importable ({e})"
-        if why:
-            if mode == "on":
-                raise RuntimeError(f"--gpu-decode on (FEATPOOL_GPU_DECODE): {why}")
-            log.info("JPEG decode on the CPU with Pillow: %s", why)
-            return None
-        decoder = cls(device)
-        try:
-            decoder.warmup()
-        except Exception as e:  # e.g. torchvision built without nvJPEG
-            if mode == "on":
-                raise RuntimeError(f"--gpu-decode on: nvJPEG does not work: {e}") from e
-            log.warning("nvJPEG unavailable (%s); JPEG decode on the CPU with Pillow", e)
-            return None
-        return decoder
+                made = cls(device, GPU_DECODERS[name](device), name)
+                made.warmup()
+            except Exception as e:  # not installed, no CUDA, a library that cannot decode
+                reasons.append(f"{name}: {e}")
+                continue
+            log.info("JPEG decode on the GPU with %s", name)
+            return made
+        why = "; ".join(reasons)
+        if decoder != "auto":
+            raise RuntimeError(f"--decoder {decoder} (FEATPOOL_DECODER) does not work: {why}")
+        if mode == "on":
+            raise RuntimeError(f"--gpu-decode on (FEATPOOL_GPU_DECODE): no GPU decoder: {why}")
+        log.info("JPEG decode on the CPU with Pillow: %s", why)
+        return None
 
     def warmup(self) -> None:
         import io

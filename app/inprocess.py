@@ -66,6 +66,7 @@ class InProcessEngineClient(EngineClient):
         ]
         stats["socket_path"] = str(self.engine.settings.socket_path)
         stats["capabilities"] = vars(self.engine.caps) if self.engine.caps else {}
+        stats["decoder"] = self.engine.decoder_name
         return stats
 
     async def health(self) -> EngineHealth:

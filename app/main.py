@@ -61,6 +61,7 @@ def create_app(
             engine.caps.transport,
             engine.encoder.name,
             str(engine.device),
+            engine.decoder_name,
         ).set(1)
         metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
         metrics.queue_depth.set_function(

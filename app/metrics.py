@@ -207,7 +207,7 @@ class Metrics(HttpMetrics):
         self.build_info = Gauge(
             "featpool_build_info",
             "Build and runtime versions",
-            ["version", "torch", "cuda", "transport", "encoder", "device"],
+            ["version", "torch", "cuda", "transport", "encoder", "device", "decoder"],
             registry=r,
         )
         self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)

@@ -21,6 +21,22 @@ def default_socket_path() -> Path:
     return Path(runtime) / "featpool" / "featpool.sock"
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_http_workers(cores: int, cuda: bool) -> int:
+    """``--http-workers -1``: with a GPU, one front per two cores (1 to 16): each front is a
+    Python process that parses HTTP at one core's speed, and the other half is left to the GPU
+    process (event loop, batch thread, decode threads) and the machine. Without one, none: the
+    CPU encoder needs the cores itself."""
+    return min(max(cores // 2, 1), 16) if cuda else 0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FEATPOOL_", extra="forbid")
 
@@ -28,11 +44,12 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     http_workers: int = Field(
-        0,
-        ge=0,
+        -1,
+        ge=-1,
         le=64,
         description="HTTP front processes that parse uploads and hand them to the GPU process; "
-        "0 serves HTTP in the GPU process",
+        "0 serves HTTP in the GPU process; -1 (default): half the usable cores, at most 16, "
+        "where there is a CUDA device, else 0 (see auto_http_workers)",
     )
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
@@ -122,7 +139,13 @@ class Settings(BaseSettings):
         True, description="replay a captured CUDA graph per padded batch size (CUDA only)"
     )
     gpu_decode: Literal["auto", "on", "off"] = Field(
-        "auto", description="JPEG decode with nvJPEG on the GPU: if available, required, never"
+        "auto", description="JPEG decode on the GPU: if available, required, never"
+    )
+    decoder: Literal["auto", "nvjpeg", "nvimgcodec", "pillow"] = Field(
+        "auto",
+        description="JPEG decoder, chosen at start-up: nvjpeg (torchvision), nvimgcodec (the "
+        "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); auto: the first "
+        "GPU one that works, else pillow. A named one that does not work stops start-up",
     )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")

@@ -4,8 +4,11 @@ same server with Pillow decode and one forward per request: --max-batch-size 1 -
 
     python bench/bench_e2e.py --device cuda --encoder vit-b16-224 --out /tmp/bench.json
 
-Reports images/s and p50/p99 request latency per point, and where the server's time went
-(decode, queue wait, encode per batch, mean batch size) from its own /metrics.
+Reports images/s and p50/p99 request latency per point, where the server's time went
+(decode, queue wait, encode per batch, mean batch size) from its own /metrics, and the CPU
+that each side used while the point ran (cores: CPU seconds per second of wall time) of the
+GPU process, of the front processes, of the load generator's client processes and of the
+whole machine, so that a point limited by its load generator shows as one.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -50,10 +55,84 @@ class ClientJob:
     per_request: int
     multipart: bool
     seed: int
+    client: str = "httpx"  # or "aiohttp" (less CPU per request)
 
 
 def client_proc(job: ClientJob) -> dict[str, Any]:
-    return asyncio.run(_client(job))
+    return asyncio.run(_timed(job))
+
+
+async def _timed(job: ClientJob) -> dict[str, Any]:
+    """Run the client; also its CPU use over the measured window, and that window's bounds in
+    Unix time (for the server's CPU samples)."""
+    window: dict[str, float] = {}
+
+    async def clock() -> None:
+        await asyncio.sleep(job.warmup)
+        window.update(t0=time.time(), cpu0=time.process_time())
+        await asyncio.sleep(job.seconds)
+        window.update(t1=time.time(), cpu1=time.process_time())
+
+    timer = asyncio.create_task(clock())
+    out = await (_client_aiohttp(job) if job.client == "aiohttp" else _client(job))
+    await timer
+    out["cpu_cores"] = (window["cpu1"] - window["cpu0"]) / (window["t1"] - window["t0"])
+    out["window"] = (window["t0"], window["t1"])
+    return out
+
+
+async def _client_aiohttp(job: ClientJob) -> dict[str, Any]:
+    """The same requests as ``_client``, sent with aiohttp (a fraction of httpx's CPU per
+    request: the load generator must not be what a point measures)."""
+    import aiohttp
+
+    lat: list[float] = []
+    status: dict[int | str, int] = {}
+    done_images = 0
+    t_measure = time.perf_counter() + job.warmup
+    t_end = t_measure + job.seconds
+    connector = aiohttp.TCPConnector(limit=job.conc, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def worker(w: int) -> None:
+            nonlocal done_images
+            i = job.seed * 1000 + w
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                code: int | str
+                body: aiohttp.FormData | bytes
+                if job.multipart:
+                    body = aiohttp.FormData()
+                    for k in range(job.per_request):
+                        body.add_field(
+                            "image",
+                            job.images[(i + k) % len(job.images)],
+                            filename=f"{k}.jpg",
+                            content_type="image/jpeg",
+                        )
+                    headers = None
+                else:
+                    body = job.images[i % len(job.images)]
+                    headers = {"content-type": "image/jpeg"}
+                try:
+                    async with http.post(job.url, data=body, headers=headers) as r:
+                        await r.read()
+                        code = r.status
+                except (aiohttp.ClientError, TimeoutError) as e:  # counted, not fatal
+                    code = type(e).__name__
+                t1 = time.perf_counter()
+                i += job.per_request
+                if t0 >= t_measure and t1 <= t_end:
+                    status[code] = status.get(code, 0) + 1
+                    if code == 200:
+                        lat.append(t1 - t0)
+                        done_images += job.per_request
+
+        await asyncio.gather(*(worker(w) for w in range(job.conc)))
+    return {"lat": lat, "status": status, "images": done_images}
 
 
 async def _client(job: ClientJob) -> dict[str, Any]:
@@ -126,6 +205,77 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of one process, in seconds (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a scan of /proc: not every kernel has
+    /proc/PID/task/PID/children)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all cores), from /proc/stat."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _TICK  # minus idle and iowait
+
+
+def cpu_sample(server_pid: int, fronts: list[int]) -> dict[str, float]:
+    """CPU seconds so far: the server (GPU) process, its front processes, the machine."""
+    return {
+        "wall": time.time(),
+        "gpu_process": _cpu_s(server_pid),
+        "fronts": sum(_cpu_s(c) for c in fronts),
+        "machine": _machine_busy_s(),
+    }
+
+
+class CpuSampler:
+    """Samples the server's and the machine's CPU every ``every`` s on a thread, so that the
+    clients' measured window (known only afterwards) can be cut out of them."""
+
+    def __init__(self, server_pid: int, every: float = 0.25) -> None:
+        self._pid, self._fronts = server_pid, _children(server_pid)
+        self._every = every
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(cpu_sample(self._pid, self._fronts))
+            self._stop.wait(self._every)
+
+    def cores(self, t0: float, t1: float) -> dict[str, float]:
+        """Cores used between the first sample after t0 and the last before t1."""
+        self._stop.set()
+        self._thread.join()
+        inside = [x for x in self.samples if t0 <= x["wall"] <= t1]
+        if len(inside) < 2:
+            return {}
+        a, b = inside[0], inside[-1]
+        wall = b["wall"] - a["wall"]
+        return {f"{k}_cores": (b[k] - a[k]) / wall for k in ("gpu_process", "fronts", "machine")}
+
+
 def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     d = {k: b[k] - a.get(k, 0.0) for k in b}
 
@@ -192,6 +342,7 @@ def run_point(
     procs = min(procs, p.concurrency)
     per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0) for i in range(procs)]
     before = scrape(srv.base)
+    sampler = CpuSampler(srv.proc.pid)
     ctx = get_context("spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
         futs = [
@@ -206,11 +357,16 @@ def run_point(
                     p.per_request,
                     p.multipart,
                     i,
+                    getattr(args, "client", "httpx"),
                 ),
             )
             for i, c in enumerate(per)
         ]
         parts = [f.result() for f in futs]
+    # The window every client measured in.
+    t0 = max(part["window"][0] for part in parts)
+    t1 = min(part["window"][1] for part in parts)
+    cpu = sampler.cores(t0, t1)
     after = scrape(srv.base)
     lat = np.array([x for part in parts for x in part["lat"]])
     status: dict[str, int] = {}
@@ -229,6 +385,9 @@ def run_point(
         "p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else float("nan"),
         "status": status,
         **delta(before, after),
+        "client_procs": procs,
+        "client_cores": sum(part["cpu_cores"] for part in parts),
+        **cpu,
     }
     print(json.dumps(row), flush=True)
     return row
@@ -237,7 +396,7 @@ def run_point(
 def parse_points(spec: str, server: str) -> list[Point]:
     """'raw:1x16,raw:1x64,mp:8x32' -> points (body:images_per_request x concurrency)."""
     out = []
-    for item in spec.split(","):
+    for item in filter(None, spec.split(",")):  # "" : no points (that server is not started)
         body, rest = item.split(":")
         k, c = rest.split("x")
         out.append(Point(server, int(c), int(k), body == "mp"))
@@ -262,6 +421,12 @@ def main() -> None:
         help="start more client processes rather than give one more connections (0: no cap). "
         "One httpx process with ~43 connections topped out near 150 requests/s on the H200 "
         "host: past that the point measures the load generator",
+    )
+    ap.add_argument(
+        "--client",
+        choices=["httpx", "aiohttp"],
+        default="httpx",
+        help="HTTP client of the load generator (aiohttp spends less CPU per request)",
     )
     ap.add_argument("--pool-bytes", type=int, default=4 << 30)
     ap.add_argument("--start-timeout", type=float, default=300.0)
@@ -295,6 +460,8 @@ def main() -> None:
         ("featpool", args.featpool_args, args.points),
         ("naive", args.baseline_args, args.baseline_points),
     ):
+        if not parse_points(spec, name):
+            continue
         srv = Server(args, extra.split(), args.logs / f"bench_server_{name}.log")
         print(f"{name} (transport {srv.transport}): {' '.join(srv.cmd[1:])}", flush=True)
         try:
@@ -305,18 +472,22 @@ def main() -> None:
         s: max((r["images_per_s"] for r in rows if r["server"] == s), default=0.0)
         for s in ("featpool", "naive")
     }
+    nan = float("nan")
     print(
         "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
-        "decode ms | queue ms | encode ms/batch | non-200 |"
+        "decode ms | queue ms | encode ms/batch | cores: GPU proc / fronts / clients / machine "
+        "| non-200 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
         print(
             f"| {r['server']} | {r['body']} | {r['images_per_request']} | {r['concurrency']} "
             f"| {r['images_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
             f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
-            f"{r['encode_ms_per_batch']:.1f} | {bad or '-'} |"
+            f"{r['encode_ms_per_batch']:.1f} | {r.get('gpu_process_cores', nan):.1f} / "
+            f"{r.get('fronts_cores', nan):.1f} / {r['client_cores']:.1f} / "
+            f"{r.get('machine_cores', nan):.1f} | {bad or '-'} |"
         )
     ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
     print(

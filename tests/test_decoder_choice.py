@@ -1,0 +1,133 @@
+"""``--decoder auto|nvjpeg|nvimgcodec|pillow``: which JPEG decoder the engine takes at start-up,
+its fallbacks, the start-up error when a named one is absent, and where the choice is reported
+(``/v1/pool``, ``featpool_build_info``). The GPU decoders are replaced by stand-ins here (this
+machine has no CUDA); the real ones run in tests/gpu."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import app.gpu_decode as gd
+from app.gpu_decode import DecodeFn, JpegDecoder
+from tests.test_imaging import pil_decode
+
+CPU = torch.device("cpu")
+
+
+def works(device: torch.device) -> DecodeFn:
+    return pil_decode
+
+
+def absent(what: str) -> Callable[[torch.device], DecodeFn]:
+    def factory(device: torch.device) -> DecodeFn:
+        raise ImportError(f"No module named {what!r}")
+
+    return factory
+
+
+def cannot_decode(device: torch.device) -> DecodeFn:
+    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise RuntimeError("decoder built without JPEG support")
+
+    return decode
+
+
+@pytest.fixture
+def decoders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Callable[[torch.device], DecodeFn]]:
+    table = dict(gd.GPU_DECODERS)
+    monkeypatch.setattr(gd, "GPU_DECODERS", table)
+    return table
+
+
+def test_auto_takes_nvjpeg_first(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+    decoders.update(nvjpeg=works, nvimgcodec=works)
+    made = JpegDecoder.create(CPU, "auto", "auto")
+    assert made is not None and made.name == "nvjpeg"
+
+
+def test_auto_falls_back_to_nvimgcodec_then_pillow(
+    decoders: dict[str, Callable[..., DecodeFn]], caplog: pytest.LogCaptureFixture
+) -> None:
+    decoders.update(nvjpeg=absent("torchvision"), nvimgcodec=works)
+    made = JpegDecoder.create(CPU, "auto", "auto")
+    assert made is not None and made.name == "nvimgcodec"
+    decoders.update(nvimgcodec=cannot_decode)  # loads, but fails its test JPEG
+    with caplog.at_level(logging.INFO, logger="app.gpu_decode"):
+        assert JpegDecoder.create(CPU, "auto", "auto") is None
+    assert "Pillow" in caplog.text and "torchvision" in caplog.text
+    assert "without JPEG support" in caplog.text
+
+
+def test_a_named_decoder_that_is_absent_stops_start_up(
+    decoders: dict[str, Callable[..., DecodeFn]],
+) -> None:
+    decoders.update(nvjpeg=works, nvimgcodec=absent("nvidia.nvimgcodec"))
+    with pytest.raises(RuntimeError, match=r"--decoder nvimgcodec .*nvidia\.nvimgcodec"):
+        JpegDecoder.create(CPU, "auto", "nvimgcodec")
+    made = JpegDecoder.create(CPU, "auto", "nvjpeg")
+    assert made is not None and made.name == "nvjpeg"
+
+
+def test_pillow_and_gpu_decode_off(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+    decoders.update(nvjpeg=works, nvimgcodec=works)
+    assert JpegDecoder.create(CPU, "auto", "pillow") is None
+    assert JpegDecoder.create(CPU, "off", "auto") is None
+    with pytest.raises(RuntimeError, match="contradicts --gpu-decode off"):
+        JpegDecoder.create(CPU, "off", "nvimgcodec")
+
+
+def test_gpu_decode_on_needs_one(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+    decoders.update(nvjpeg=absent("torchvision"), nvimgcodec=absent("nvidia.nvimgcodec"))
+    with pytest.raises(RuntimeError, match=r"--gpu-decode on .*torchvision.*nvimgcodec"):
+        JpegDecoder.create(CPU, "on", "auto")
+
+
+def test_the_real_decoders_refuse_a_cpu_device() -> None:
+    """Without the stand-ins: on this CUDA-less machine each real GPU decoder is refused with
+    the reason, and auto means Pillow."""
+    for name in ("nvjpeg", "nvimgcodec"):
+        with pytest.raises(RuntimeError, match=f"--decoder {name} .*the device is cpu"):
+            JpegDecoder.create(CPU, "auto", name)  # type: ignore[arg-type]
+    assert JpegDecoder.create(CPU, "auto", "auto") is None
+
+
+def test_the_choice_is_reported(
+    decoders: dict[str, Callable[..., DecodeFn]],
+    make_client: Callable[..., TestClient],
+) -> None:
+    c = make_client()
+    assert c.get("/v1/pool").json()["decoder"] == "pillow"
+    info = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("featpool_build")]
+    assert len(info) == 1 and 'decoder="pillow"' in info[0]
+
+
+def test_a_named_decoder_is_reported_by_the_server(
+    decoders: dict[str, Callable[..., DecodeFn]],
+    make_client: Callable[..., TestClient],
+) -> None:
+    """The engine builds the decoder that --decoder names (a stand-in that works on the CPU
+    here) and says so; a JPEG goes through it."""
+    calls: list[int] = []
+
+    def counting(device: torch.device) -> DecodeFn:
+        def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+            calls.append(len(datas))
+            return pil_decode(datas, device)
+
+        return decode
+
+    decoders.update(nvimgcodec=counting)
+    c = make_client(decoder="nvimgcodec")
+    assert c.get("/v1/pool").json()["decoder"] == "nvimgcodec"
+    assert 'decoder="nvimgcodec"' in c.get("/metrics").text
+    calls.clear()  # the warm-up's
+    from tests.test_imaging import jpeg, photo
+
+    r = c.post("/v1/encode", content=jpeg(photo(64, 48)), headers={"content-type": "image/jpeg"})
+    assert r.status_code == 200, r.text
+    assert calls == [1]
