@@ -19,11 +19,19 @@ from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
 from app.errors import ApiError
+from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
-from pool.errors import CudaUnavailable, PoolError
+from pool.errors import (
+    CudaUnavailable,
+    LeaseExpired,
+    LeaseNotFound,
+    LeaseReleased,
+    PoolError,
+    StaleLease,
+)
 from pool.featurepool import FeaturePool
 from pool.leases import Lease
 from pool.server import FabricHandoffServer, HandoffServer
@@ -31,6 +39,15 @@ from pool.server import FabricHandoffServer, HandoffServer
 log = logging.getLogger(__name__)
 
 MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU queue
+
+
+@dataclass
+class Published:
+    """One image's answer: its lease, the hash of its features, and whether they were reused."""
+
+    lease: Lease
+    feature_hash: str
+    cached: bool
 
 
 @dataclass
@@ -67,6 +84,7 @@ class Engine:
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._mean = self._std = torch.empty(0)
         self._buckets: list[int] = []
+        self.index = FeatureIndex(settings.feature_cache_entries)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -266,6 +284,165 @@ class Engine:
         leases = await self.batcher.submit([j for j in jobs if j is not None])
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
+
+    # ---- content-addressed features (app/featindex.py) --------------------------------------
+
+    def identity(self, pooled: bool, dtype: torch.dtype | None) -> dict[str, Any]:
+        """What the features of given bytes depend on, besides the bytes."""
+        enc = self.encoder
+        assert enc is not None
+        return {
+            "encoder": enc.name,
+            "weights": str(self.settings.encoder_weights or ""),
+            "image_size": enc.image_size,
+            "mean": list(enc.mean),
+            "std": list(enc.std),
+            "output_shape": list(enc.output_shape),
+            "encoder_dtype": str(enc.dtype).removeprefix("torch."),
+            "dtype": str(dtype or enc.dtype).removeprefix("torch."),
+            "pooled": pooled,
+        }
+
+    def output_shape(self, pooled: bool) -> tuple[int, ...]:
+        assert self.encoder is not None
+        return self.encoder.output_shape[-1:] if pooled else tuple(self.encoder.output_shape)
+
+    async def encode_cached(
+        self,
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        *,
+        pooled: bool = False,
+        dtype: torch.dtype | None = None,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
+    ) -> list[Published]:
+        """``encode``, except that images whose features are still in the pool (same bytes,
+        same encoder identity, same scope) get a new lease on a copy of them: no decode, no
+        forward pass. All or nothing, like ``encode``."""
+        if not self.ready or self.encoder is None or self.pool is None:
+            raise ApiError("not_ready", "the service is starting or draining")
+        ident = identity_digest(self.identity(pooled, dtype))
+        digests = [feature_hash(ident, data) for _, data in images]
+        names = list(ids) if ids is not None else [None] * len(images)
+        for name, digest in zip(names, digests, strict=True):
+            if name is not None:
+                self.index.check_id(scope, name, digest)  # 409 before any work
+        out: list[Published | None] = [None] * len(images)
+        try:
+            if self.index.max_entries > 0:
+                for i, digest in enumerate(digests):
+                    lease = self._reuse(scope, digest, ttl_s, names[i])
+                    if lease is not None:
+                        out[i] = Published(lease, digest, True)
+            todo = [i for i, p in enumerate(out) if p is None]
+            if todo:
+                leases = await self.encode(
+                    [images[i] for i in todo], ttl_s, pooled=pooled, dtype=dtype
+                )
+                for i, lease in zip(todo, leases, strict=True):
+                    out[i] = Published(lease, digests[i], False)
+                    if self.index.max_entries > 0:
+                        self.index.add(
+                            scope,
+                            digests[i],
+                            lease.id,
+                            shape=lease.shape,
+                            dtype=lease.dtype,
+                            client_id=names[i],
+                        )
+        except BaseException:
+            for p in out:
+                if p is not None:
+                    self.release_quietly(p.lease.id)
+            raise
+        return [p for p in out if p is not None]
+
+    def describe_published(self, p: Published) -> dict[str, Any]:
+        """The lease descriptor with the feature hash and whether the features were reused."""
+        assert self.pool is not None
+        return {**self.pool.describe(p.lease), "feature_hash": p.feature_hash, "cached": p.cached}
+
+    def _reuse(
+        self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None
+    ) -> Lease | None:
+        """A new lease on a copy of the indexed features, or None (counted as a miss)."""
+        assert self.pool is not None
+        _, candidates = self.index.candidates(scope, digest)
+        for lease_id in candidates:
+            try:
+                lease = self.pool.copy_lease(lease_id, ttl_s)
+            except (LeaseExpired, LeaseReleased, LeaseNotFound, StaleLease):
+                self.index.forget_lease(scope, digest, lease_id)
+                continue
+            self.index.add(
+                scope, digest, lease.id, shape=lease.shape, dtype=lease.dtype, client_id=client_id
+            )
+            self.index.count(hit=True)
+            return lease
+        self.index.count(hit=False)
+        return None
+
+    def feature_info(
+        self,
+        scope: str,
+        ref: str,
+        shape: Sequence[int] | None = None,
+        dtype: str | None = None,
+    ) -> tuple[str, tuple[int, ...], str]:
+        """(hash, shape, dtype) of the features named by a hash or client id in this scope.
+        404 when unknown or no longer resident; 409 when they disagree with what the caller
+        expects (``shape``, ``dtype``)."""
+        if self.pool is None:
+            raise ApiError("not_ready", "the pool is not built yet")
+        digest = self.index.resolve(scope, ref)
+        entry, candidates = self.index.candidates(scope, digest) if digest else (None, [])
+        for lease_id in candidates:
+            try:
+                self.pool.get(lease_id)
+                break
+            except PoolError:
+                assert digest is not None
+                self.index.forget_lease(scope, digest, lease_id)
+        else:
+            entry = None
+        if entry is None or digest is None:
+            raise ApiError(
+                "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
+            )
+        if (shape is not None and tuple(shape) != entry.shape) or (
+            dtype is not None and dtype != entry.dtype
+        ):
+            raise ApiError(
+                "feature_mismatch",
+                f"{ref[:80]!r} holds {entry.dtype} {list(entry.shape)}, "
+                f"not {dtype or entry.dtype} {list(shape) if shape else list(entry.shape)}",
+            )
+        return digest, entry.shape, entry.dtype
+
+    def lease_features(
+        self,
+        scope: str,
+        ref: str,
+        ttl_s: float | None,
+        shape: Sequence[int] | None = None,
+        dtype: str | None = None,
+    ) -> Published:
+        """A new lease on the resident features named by a hash or client id."""
+        if self.pool is not None and ttl_s is not None:
+            self.pool.clamp_ttl(ttl_s)
+        try:
+            digest, _, _ = self.feature_info(scope, ref, shape, dtype)
+        except ApiError as e:
+            if e.type == "feature_not_found":
+                self.index.count(hit=False)
+            raise
+        lease = self._reuse(scope, digest, ttl_s)
+        if lease is None:  # its last lease ended a moment ago
+            raise ApiError(
+                "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
+            )
+        return Published(lease, digest, True)
 
     def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
         t0 = time.perf_counter()

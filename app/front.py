@@ -74,9 +74,17 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
             await core.aclose()
 
     async def encode_images(
-        images: Sequence[tuple[str, bytes]], ttl_s: float | None, pooled: bool, dtype: str | None
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        pooled: bool,
+        dtype: str | None,
+        *,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
     ) -> dict[str, Any]:
-        status, body, headers = await jobs.encode(images, ttl_s, pooled, dtype)
+        status, body, headers = await jobs.encode(
+            images, ttl_s, pooled, dtype, scope=scope, ids=ids
+        )
         if status == 200:
             return body
         err = body.get("error", {})

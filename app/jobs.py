@@ -6,7 +6,8 @@ image bytes here; the GPU process only batches, encodes and publishes.
 
 Frames on a Unix socket (mode 0600: same user only), both directions: a 4-byte big-endian
 header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
-  front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "images": [[label, size]..]}
+  front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "scope", "ids",
+                  "images": [[label, size]..]}
                  + the images' bytes, concatenated
                  {"id", "op": "release", "lease_ids": [...]}   (answers nobody waited for)
   core -> front  {"id", "status", "body", "headers"}            (body: the HTTP answer's JSON)
@@ -23,7 +24,7 @@ import os
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from app.errors import STATUS, ApiError
 from pool.errors import PoolError
@@ -32,9 +33,21 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
-EncodeFn = Callable[
-    [Sequence[tuple[str, bytes]], float | None, bool, str | None], Awaitable[dict[str, Any]]
-]
+
+
+class EncodeFn(Protocol):
+    """Encode images and answer with the HTTP body: in the GPU process, or through it."""
+
+    def __call__(
+        self,
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        pooled: bool,
+        dtype: str | None,
+        *,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
+    ) -> Awaitable[dict[str, Any]]: ...
 
 
 def channel_paths(socket_path: Path) -> tuple[Path, Path]:
@@ -123,8 +136,14 @@ class JobServer:
             at += size
         headers: dict[str, str] = {}
         try:
+            ids = header.get("ids")
             body = await self._encode(
-                images, header.get("ttl_s"), bool(header.get("pooled")), header.get("dtype")
+                images,
+                header.get("ttl_s"),
+                bool(header.get("pooled")),
+                header.get("dtype"),
+                scope=str(header.get("scope") or ""),
+                ids=[None if i is None else str(i) for i in ids] if ids else None,
             )
             status = 200
         except ApiError as e:
@@ -205,6 +224,9 @@ class JobClient:
         ttl_s: float | None,
         pooled: bool,
         dtype: str | None,
+        *,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         job = next(self._ids)
         fut: asyncio.Future[tuple[int, dict[str, Any], dict[str, str]]] = (
@@ -219,6 +241,8 @@ class JobClient:
                     "ttl_s": ttl_s,
                     "pooled": pooled,
                     "dtype": dtype,
+                    "scope": scope,
+                    "ids": list(ids) if ids is not None else None,
                     "images": [[lb, len(d)] for lb, d in images],
                 },
                 [d for _, d in images],

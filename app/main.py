@@ -47,13 +47,24 @@ def create_app(
     engine = Engine(settings, metrics, encoder)
 
     async def encode_images(
-        images: Sequence[tuple[str, bytes]], ttl_s: float | None, pooled: bool, dtype: str | None
+        images: Sequence[tuple[str, bytes]],
+        ttl_s: float | None,
+        pooled: bool,
+        dtype: str | None,
+        *,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
     ) -> dict[str, Any]:
-        leases = await engine.encode(
-            images, ttl_s, pooled=pooled, dtype=getattr(torch, dtype) if dtype else None
+        published = await engine.encode_cached(
+            images,
+            ttl_s,
+            pooled=pooled,
+            dtype=getattr(torch, dtype) if dtype else None,
+            scope=scope,
+            ids=ids,
         )
         assert engine.pool is not None
-        return {"items": [engine.pool.describe(lease) for lease in leases]}
+        return {"items": [engine.describe_published(p) for p in published]}
 
     # With --http-workers, front processes send encode jobs over this channel.
     jobs = (
@@ -74,6 +85,7 @@ def create_app(
             engine.encoder.name,
             str(engine.device),
         ).set(1)
+        metrics.watch_feature_index(engine.index.stats)
         metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
         metrics.queue_depth.set_function(
             lambda: float(engine.batcher.depth if engine.batcher else 0)

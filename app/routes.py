@@ -14,8 +14,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from app.engine import Engine
+from app.engine import Engine, Published
 from app.errors import ApiError
+from app.featindex import check_id, scope_of
 from app.imaging import check_content_type
 from app.jobs import EncodeFn
 from app.metrics import Metrics
@@ -34,13 +35,27 @@ def pool(request: Request) -> FeaturePool:
     return p
 
 
+def _api_keys(settings: Settings) -> list[str]:
+    keys = [settings.api_key] if settings.api_key is not None else []
+    return [k.get_secret_value() for k in [*keys, *settings.api_keys]]
+
+
 def check_api_key(request: Request) -> None:
-    key = request.app.state.settings.api_key
-    if key is None:
+    keys = _api_keys(request.app.state.settings)
+    if not keys:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode()):
+    given = request.headers.get("authorization", "").encode()
+    # Compare with every key (no early exit), so the time taken does not say which matched.
+    matches = [hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys]
+    if not any(matches):
         raise ApiError("unauthorized", "missing or wrong 'Authorization: Bearer <api key>'")
+
+
+def caller_scope(request: Request) -> str:
+    """The feature-cache scope of an authenticated caller: one per API key ("" without)."""
+    if not _api_keys(request.app.state.settings):
+        return ""
+    return scope_of(request.headers.get("authorization", "").removeprefix("Bearer "))
 
 
 class LeaseOut(BaseModel):
@@ -59,10 +74,24 @@ class LeaseOut(BaseModel):
     created_at: float
     expires_at: float = Field(description="seconds since the Unix epoch")
     ttl_s: float
+    feature_hash: str | None = Field(
+        None,
+        description="SHA-256 (hex) of the image bytes with the encoder's identity; the key "
+        "for GET /v1/features/{hash} and for engines' multimodal uuids",
+    )
+    cached: bool | None = Field(
+        None, description="true when the features were already resident (no encode ran)"
+    )
 
 
 class EncodeOut(BaseModel):
     items: list[LeaseOut]
+
+
+class FeatureOut(BaseModel):
+    feature_hash: str
+    shape: list[int]
+    dtype: str
 
 
 class RenewIn(BaseModel):
@@ -75,6 +104,20 @@ TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in se
 PooledQuery = Annotated[
     bool,
     Query(description="publish the mean over tokens, shape [D], instead of every token, [T, D]"),
+]
+IdQuery = Annotated[
+    str | None,
+    Query(
+        description="a name of your own for the image's features (one image per request; "
+        "multipart: one 'id' field per image), usable in place of the hash in /v1/features",
+    ),
+]
+ShapeQuery = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,9}(,[0-9]{1,9}){0,3}$",
+        description="the shape you expect, e.g. 196,768: refused (409) if it disagrees",
+    ),
 ]
 DtypeQuery = Annotated[
     Literal["float32", "bfloat16", "float16"] | None,
@@ -122,27 +165,52 @@ ENCODE_BODY = {
     responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}},
 )
 async def encode(
-    request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False, dtype: DtypeQuery = None
+    request: Request,
+    ttl_s: TtlQuery = None,
+    pooled: PooledQuery = False,
+    dtype: DtypeQuery = None,
+    id: IdQuery = None,
 ) -> dict[str, Any]:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
-    image, in order."""
+    image, in order. Images whose features are still in the pool (same bytes, same encoder)
+    are not encoded again: their lease holds a copy of those features (``cached``)."""
     s: Settings = request.app.state.settings
     ctype = request.headers.get("content-type", "")
+    ids: list[str | None] | None = None
     if ctype.startswith("multipart/form-data"):
-        images = await _multipart_images(request, s)
+        images, form_ids = await _multipart_images(request, s)
+        if form_ids:
+            if id is not None:
+                raise ApiError("validation_error", "give ids as ?id= or as 'id' fields, not both")
+            if len(form_ids) != len(images):
+                raise ApiError(
+                    "validation_error",
+                    f"{len(form_ids)} 'id' fields for {len(images)} images: give one per image",
+                )
+            ids = list(form_ids)
     else:
         check_content_type(ctype)
         data = await request.body()
         images = [("image", data)]
+    if id is not None:
+        if len(images) != 1:
+            raise ApiError("validation_error", "?id= names one image; use 'id' fields for more")
+        ids = [id]
+    for i in ids or []:
+        check_id(i or "")
     # The engine in this process, or the GPU process behind a front (app/front.py).
     encode_images: EncodeFn = request.app.state.encode_images
-    return await encode_images(images, ttl_s, pooled, dtype)
+    return await encode_images(images, ttl_s, pooled, dtype, scope=caller_scope(request), ids=ids)
 
 
-async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, bytes]]:
+async def _multipart_images(
+    request: Request, s: Settings
+) -> tuple[list[tuple[str, bytes]], list[str]]:
     try:
         form = await request.form(
-            max_files=s.max_images_per_request, max_fields=32, max_part_size=s.max_image_bytes
+            max_files=s.max_images_per_request,
+            max_fields=32 + s.max_images_per_request,  # an 'id' field per image
+            max_part_size=s.max_image_bytes,
         )
     except (MultiPartException, HTTPException) as e:
         # Starlette reports multipart limits as a 400 carrying the parser's message.
@@ -168,7 +236,10 @@ async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, by
                 raise ApiError("invalid_request", f"part 'image' #{i} is a field, not a file")
             check_content_type(part.content_type, f"image #{i} ({part.filename})")
             images.append((f"image #{i} ({part.filename})", await part.read()))
-        return images
+        ids = form.getlist("id")
+        if not all(isinstance(i, str) for i in ids):
+            raise ApiError("invalid_request", "an 'id' part is a file, not a field")
+        return images, [str(i) for i in ids]
     finally:
         await form.close()
 
@@ -217,6 +288,36 @@ async def delete_lease(request: Request, lease_id: str) -> Response:
     return Response(status_code=204)
 
 
+def _shape(text: str | None) -> list[int] | None:
+    return None if text is None else [int(x) for x in text.split(",")]
+
+
+@v1.get("/features/{ref}", response_model=FeatureOut, responses={404: {}, 409: {}})
+async def get_features(
+    request: Request, ref: str, shape: ShapeQuery = None, dtype: DtypeQuery = None
+) -> dict[str, Any]:
+    """Whether features named by their hash or by your id are resident; their shape and
+    dtype. No lease is made."""
+    digest, shp, dt = engine(request).feature_info(caller_scope(request), ref, _shape(shape), dtype)
+    return {"feature_hash": digest, "shape": list(shp), "dtype": dt}
+
+
+@v1.post("/features/{ref}/lease", response_model=LeaseOut, responses={404: {}, 409: {}, 503: {}})
+async def lease_features(
+    request: Request,
+    ref: str,
+    ttl_s: TtlQuery = None,
+    shape: ShapeQuery = None,
+    dtype: DtypeQuery = None,
+) -> dict[str, Any]:
+    """A new lease on resident features named by their hash or by your id, without encoding:
+    the lease holds a copy of them (device-to-device on the GPU tier). 404 if they are no
+    longer resident; 409 if they disagree with the ``shape``/``dtype`` you expect."""
+    eng = engine(request)
+    p: Published = eng.lease_features(caller_scope(request), ref, ttl_s, _shape(shape), dtype)
+    return eng.describe_published(p)
+
+
 @v1.get("/pool")
 async def pool_info(request: Request) -> dict[str, Any]:
     eng = engine(request)
@@ -227,6 +328,7 @@ async def pool_info(request: Request) -> dict[str, Any]:
     ]
     stats["socket_path"] = str(eng.settings.socket_path)
     stats["capabilities"] = vars(eng.caps) if eng.caps else {}
+    stats["feature_cache"] = eng.index.stats()
     return stats
 
 

@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
     )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="more API keys, one per tenant, accepted like api_key; cached features "
+        "are scoped by the key that made them",
+    )
 
     # Device and pool
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -102,6 +107,14 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(16 * MiB, gt=0, description="largest single image")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb limit")
     max_images_per_request: int = Field(64, gt=0, description="image parts per request")
+
+    # Content-addressed features
+    feature_cache_entries: int = Field(
+        4096,
+        ge=0,
+        description="images whose pooled features a repeat upload or a lookup by hash or id "
+        "can reuse (LRU); 0 turns the index off",
+    )
 
     # Logs
     log_level: str = Field("INFO", description="logging level")
