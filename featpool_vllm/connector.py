@@ -80,7 +80,7 @@ def lease_path(identifier: str) -> str:
     return f"/v1/features/{identifier}/lease"
 
 
-class FeaturePoolECConnector(ECConnectorBase):  # type: ignore[misc]
+class FeaturePoolECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if self.is_producer:
@@ -206,9 +206,9 @@ class FeaturePoolECConnector(ECConnectorBase):  # type: ignore[misc]
             if identifier in encoder_cache:  # not popped yet: release on a later step
                 continue
             self._pending_free.discard(identifier)
-            desc = self._open.pop(identifier, None)
-            if desc is not None:
-                self._release(desc)
+            gone = self._open.pop(identifier, None)
+            if gone is not None:
+                self._release(gone)
 
     def _load(self, desc: dict[str, Any]) -> tuple[torch.Tensor, bool]:
         """(the tensor for vLLM's encoder cache, whether it views the pool's memory)."""

@@ -74,7 +74,13 @@ def test_connector_against_real_vllm_and_featpool(tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
         env["VLLM_NO_USAGE_STATS"] = "1"
         r = subprocess.run(
-            [str(python), str(ROOT / "tests" / "vllm" / "drive_connector.py"), url, str(sock), str(image)],
+            [
+                str(python),
+                str(ROOT / "tests" / "vllm" / "drive_connector.py"),
+                url,
+                str(sock),
+                str(image),
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,
