@@ -24,6 +24,7 @@ from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, inspect
 from app.metrics import Metrics
 from app.settings import Settings
+from pool.descriptor import LeaseDescriptor
 from pool.errors import (
     CudaUnavailable,
     LeaseExpired,
@@ -358,10 +359,12 @@ class Engine:
             raise
         return [p for p in out if p is not None]
 
-    def describe_published(self, p: Published) -> dict[str, Any]:
+    def describe_published(self, p: Published) -> LeaseDescriptor:
         """The lease descriptor with the feature hash and whether the features were reused."""
         assert self.pool is not None
-        return {**self.pool.describe(p.lease), "feature_hash": p.feature_hash, "cached": p.cached}
+        return self.pool.describe(p.lease).model_copy(
+            update={"feature_hash": p.feature_hash, "cached": p.cached}
+        )
 
     def _reuse(
         self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None

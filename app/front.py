@@ -14,7 +14,6 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 import uvicorn
@@ -27,6 +26,7 @@ from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router
 from app.settings import Settings
+from pool.descriptor import EncodeResponse, LeaseDescriptor
 
 # Hop-by-hop and length headers are the proxy's own business.
 _SKIP = {
@@ -81,12 +81,12 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
         *,
         scope: str = "",
         ids: Sequence[str | None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> list[LeaseDescriptor]:
         status, body, headers = await jobs.encode(
             images, ttl_s, pooled, dtype, scope=scope, ids=ids
         )
         if status == 200:
-            return body
+            return EncodeResponse.model_validate(body).items
         err = body.get("error", {})
         kind = err.get("type") if err.get("type") in STATUS else "internal_error"
         raise ApiError(kind, str(err.get("message", "")), headers=headers or None)

@@ -10,7 +10,8 @@ header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
                   "images": [[label, size]..]}
                  + the images' bytes, concatenated
                  {"id", "op": "release", "lease_ids": [...]}   (answers nobody waited for)
-  core -> front  {"id", "status", "body", "headers"}            (body: the HTTP answer's JSON)
+  core -> front  {"id", "status", "body", "headers"}            (body: the HTTP answer's JSON:
+                 an EncodeResponse of pool.descriptor, or the error shape)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from app.errors import STATUS, ApiError
+from pool.descriptor import EncodeResponse, LeaseDescriptor
 from pool.errors import PoolError
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class EncodeFn(Protocol):
         *,
         scope: str = "",
         ids: Sequence[str | None] | None = None,
-    ) -> Awaitable[dict[str, Any]]: ...
+    ) -> Awaitable[list[LeaseDescriptor]]: ...
 
 
 def channel_paths(socket_path: Path) -> tuple[Path, Path]:
@@ -137,7 +139,7 @@ class JobServer:
         headers: dict[str, str] = {}
         try:
             ids = header.get("ids")
-            body = await self._encode(
+            items = await self._encode(
                 images,
                 header.get("ttl_s"),
                 bool(header.get("pooled")),
@@ -145,6 +147,7 @@ class JobServer:
                 scope=str(header.get("scope") or ""),
                 ids=[None if i is None else str(i) for i in ids] if ids else None,
             )
+            body = EncodeResponse(items=items).model_dump(mode="json")
             status = 200
         except ApiError as e:
             status, body = _error(e.type, e.message)

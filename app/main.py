@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -23,6 +22,7 @@ from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, ops, v1
 from app.settings import Settings
+from pool.descriptor import LeaseDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def create_app(
         *,
         scope: str = "",
         ids: Sequence[str | None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> list[LeaseDescriptor]:
         published = await engine.encode_cached(
             images,
             ttl_s,
@@ -64,7 +64,7 @@ def create_app(
             ids=ids,
         )
         assert engine.pool is not None
-        return {"items": [engine.describe_published(p) for p in published]}
+        return [engine.describe_published(p) for p in published]
 
     # With --http-workers, front processes send encode jobs over this channel.
     jobs = (

@@ -21,6 +21,7 @@ from app.imaging import check_content_type
 from app.jobs import EncodeFn
 from app.metrics import Metrics
 from app.settings import Settings
+from pool.descriptor import EncodeResponse, FeatureInfo, LeaseDescriptor
 from pool.featurepool import FeaturePool
 
 
@@ -56,42 +57,6 @@ def caller_scope(request: Request) -> str:
     if not _api_keys(request.app.state.settings):
         return ""
     return scope_of(request.headers.get("authorization", "").removeprefix("Bearer "))
-
-
-class LeaseOut(BaseModel):
-    lease_id: str
-    epoch: str = Field(description="pool epoch; changes when the producer restarts")
-    state: str
-    tier: str = Field(description="gpu, host or inline")
-    transport: str = Field(description="cuda_vmm, host_shm or inline")
-    slab: int | None
-    offset: int | None
-    nbytes: int
-    shape: list[int]
-    dtype: str
-    slot: int
-    generation: int
-    created_at: float
-    expires_at: float = Field(description="seconds since the Unix epoch")
-    ttl_s: float
-    feature_hash: str | None = Field(
-        None,
-        description="SHA-256 (hex) of the image bytes with the encoder's identity; the key "
-        "for GET /v1/features/{hash} and for engines' multimodal uuids",
-    )
-    cached: bool | None = Field(
-        None, description="true when the features were already resident (no encode ran)"
-    )
-
-
-class EncodeOut(BaseModel):
-    items: list[LeaseOut]
-
-
-class FeatureOut(BaseModel):
-    feature_hash: str
-    shape: list[int]
-    dtype: str
 
 
 class RenewIn(BaseModel):
@@ -159,7 +124,7 @@ ENCODE_BODY = {
 
 @encode_router.post(
     "/encode",
-    response_model=EncodeOut,
+    response_model=EncodeResponse,
     summary="Encode images into pooled features",
     openapi_extra=ENCODE_BODY,
     responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}},
@@ -170,7 +135,7 @@ async def encode(
     pooled: PooledQuery = False,
     dtype: DtypeQuery = None,
     id: IdQuery = None,
-) -> dict[str, Any]:
+) -> EncodeResponse:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
     image, in order. Images whose features are still in the pool (same bytes, same encoder)
     are not encoded again: their lease holds a copy of those features (``cached``)."""
@@ -200,7 +165,8 @@ async def encode(
         check_id(i or "")
     # The engine in this process, or the GPU process behind a front (app/front.py).
     encode_images: EncodeFn = request.app.state.encode_images
-    return await encode_images(images, ttl_s, pooled, dtype, scope=caller_scope(request), ids=ids)
+    items = await encode_images(images, ttl_s, pooled, dtype, scope=caller_scope(request), ids=ids)
+    return EncodeResponse(items=items)
 
 
 async def _multipart_images(
@@ -244,8 +210,8 @@ async def _multipart_images(
         await form.close()
 
 
-@v1.get("/leases/{lease_id}", response_model=LeaseOut, responses={404: {}, 410: {}})
-async def get_lease(request: Request, lease_id: str) -> dict[str, Any]:
+@v1.get("/leases/{lease_id}", response_model=LeaseDescriptor, responses={404: {}, 410: {}})
+async def get_lease(request: Request, lease_id: str) -> LeaseDescriptor:
     p = pool(request)
     return p.describe(p.get(lease_id))
 
@@ -274,10 +240,14 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
     )
 
 
-@v1.post("/leases/{lease_id}/renew", response_model=LeaseOut, responses={400: {}, 404: {}, 410: {}})
+@v1.post(
+    "/leases/{lease_id}/renew",
+    response_model=LeaseDescriptor,
+    responses={400: {}, 404: {}, 410: {}},
+)
 async def renew_lease(
     request: Request, lease_id: str, body: RenewIn | None = None
-) -> dict[str, Any]:
+) -> LeaseDescriptor:
     p = pool(request)
     return p.describe(p.renew(lease_id, body.ttl_s if body else None))
 
@@ -292,24 +262,26 @@ def _shape(text: str | None) -> list[int] | None:
     return None if text is None else [int(x) for x in text.split(",")]
 
 
-@v1.get("/features/{ref}", response_model=FeatureOut, responses={404: {}, 409: {}})
+@v1.get("/features/{ref}", response_model=FeatureInfo, responses={404: {}, 409: {}})
 async def get_features(
     request: Request, ref: str, shape: ShapeQuery = None, dtype: DtypeQuery = None
-) -> dict[str, Any]:
+) -> FeatureInfo:
     """Whether features named by their hash or by your id are resident; their shape and
     dtype. No lease is made."""
     digest, shp, dt = engine(request).feature_info(caller_scope(request), ref, _shape(shape), dtype)
-    return {"feature_hash": digest, "shape": list(shp), "dtype": dt}
+    return FeatureInfo(feature_hash=digest, shape=list(shp), dtype=dt)
 
 
-@v1.post("/features/{ref}/lease", response_model=LeaseOut, responses={404: {}, 409: {}, 503: {}})
+@v1.post(
+    "/features/{ref}/lease", response_model=LeaseDescriptor, responses={404: {}, 409: {}, 503: {}}
+)
 async def lease_features(
     request: Request,
     ref: str,
     ttl_s: TtlQuery = None,
     shape: ShapeQuery = None,
     dtype: DtypeQuery = None,
-) -> dict[str, Any]:
+) -> LeaseDescriptor:
     """A new lease on resident features named by their hash or by your id, without encoding:
     the lease holds a copy of them (device-to-device on the GPU tier). 404 if they are no
     longer resident; 409 if they disagree with the ``shape``/``dtype`` you expect."""

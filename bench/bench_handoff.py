@@ -192,7 +192,7 @@ def handoff_latency(
             elif kind == "cuda_vmm":
                 lease = pool.put(feat)
                 t_put = time.perf_counter()
-                conn.send(("cuda_vmm", pool.describe(lease)))
+                conn.send(("cuda_vmm", pool.describe(lease).wire()))
             elif kind == "cuda_ipc":
                 conn.send(("cuda_ipc", feat))
             else:

@@ -458,7 +458,7 @@ def send_once(rig: Rig, conn: Any, kind: str, feat: Any, pid: int) -> tuple[floa
     if kind == "ping":
         conn.send(("ping", None))
     elif kind == "pool":
-        conn.send(("pool", rig.pool.describe(rig.pool.put(feat))))
+        conn.send(("pool", rig.pool.describe(rig.pool.put(feat)).wire()))
     elif kind == "cuda_ipc":
         conn.send(("cuda_ipc", feat))
     elif kind == "cpu_bytes":
@@ -707,13 +707,13 @@ def sweep_consumers(
             cons: list[float] = []
             bad = 0
             for c in conns:  # warm-up: one round trip each
-                c.send(("pool", rig.pool.describe(rig.pool.put(base))))
+                c.send(("pool", rig.pool.describe(rig.pool.put(base)).wire()))
                 c.recv()
             t_start = time.perf_counter()
             t_end = t_start + seconds
             for c in conns:
                 sent_at[c] = time.perf_counter()
-                c.send(("pool", rig.pool.describe(rig.pool.put(base))))
+                c.send(("pool", rig.pool.describe(rig.pool.put(base)).wire()))
             done = 0
             while sent_at:
                 for c in wait(list(sent_at), timeout=30):
@@ -726,7 +726,7 @@ def sweep_consumers(
                     now = time.perf_counter()
                     if now < t_end:
                         sent_at[c] = now
-                        c.send(("pool", rig.pool.describe(rig.pool.put(base))))
+                        c.send(("pool", rig.pool.describe(rig.pool.put(base)).wire()))
                 if time.perf_counter() > t_end + 30:
                     raise RuntimeError("consumers stopped answering")
             elapsed = time.perf_counter() - t_start

@@ -6,7 +6,8 @@ features out of a featpool producer without copying them.
         ...                             # use feats (read-only)
         client.release(lease)           # ack: the producer recycles the memory
 
-``lease`` is the descriptor the HTTP API returned (a dict) or just its ``lease_id``.
+``lease`` is the descriptor the HTTP API returned (its JSON object, or a
+``pool.descriptor.LeaseDescriptor``) or just its ``lease_id``.
 On the GPU tier ``open`` and ``release`` are stream-ordered on the current CUDA stream: open
 enqueues a wait on the lease's ready word, release enqueues the ack after your reads.
 
@@ -35,6 +36,7 @@ import torch
 
 from pool.backends.host_shm import map_slab, tensor_over
 from pool.control import ControlBlock
+from pool.descriptor import LeaseDescriptor
 from pool.errors import (
     HandoffError,
     LeaseExpired,
@@ -48,8 +50,7 @@ from pool.errors import (
 from pool.featurepool import INLINE, epoch_hex, parse_dtype
 from pool.protocol import PROTOCOL_VERSION, parse_host_port, recv_msg, send_msg
 
-LeaseRef = str | Mapping[str, Any]
-_DESCRIPTOR_KEYS = ("epoch", "generation", "lease_id", "slot", "tier")  # what open/release use
+LeaseRef = str | LeaseDescriptor | Mapping[str, Any]
 
 _ERRORS: dict[str, type[PoolError]] = {
     "lease_not_found": LeaseNotFound,
@@ -223,7 +224,7 @@ class FeatureClient:
     def lookup(self, lease_id: str) -> dict[str, Any]:
         """The lease's descriptor, from the producer."""
         reply = self._request({"op": "lookup", "lease_id": lease_id})
-        return dict(reply["lease"])
+        return LeaseDescriptor.parse(reply["lease"]).wire()
 
     def open(self, lease: LeaseRef, *, timeout_s: float | None = None) -> torch.Tensor:
         """A zero-copy, read-only tensor over the lease's features.
@@ -298,12 +299,11 @@ class FeatureClient:
     # ---- helpers ---------------------------------------------------------------------------
 
     def _descriptor(self, lease: LeaseRef) -> Mapping[str, Any]:
+        """The descriptor as a checked mapping (a bad one raises pydantic's ValidationError,
+        a ValueError)."""
         if isinstance(lease, str):
             return self.lookup(lease)
-        missing = [k for k in _DESCRIPTOR_KEYS if k not in lease]
-        if missing:
-            raise ValueError(f"lease descriptor lacks {missing}")
-        return lease
+        return LeaseDescriptor.parse(lease).wire()
 
     def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock | None:
         """The host control block (None on another node), once the lease is known to be of

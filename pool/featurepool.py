@@ -24,6 +24,7 @@ import torch
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import ControlBlock
+from pool.descriptor import LeaseDescriptor
 from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
 from pool.leases import Lease, LeaseState, LeaseTable
 
@@ -390,26 +391,26 @@ class FeaturePool:
                 raise StaleLease(f"lease {lease_id} ended while it was being copied")
         return lease
 
-    def describe(self, lease: Lease) -> dict[str, Any]:
+    def describe(self, lease: Lease) -> LeaseDescriptor:
         """The lease descriptor that HTTP clients and socket consumers receive."""
         transport = INLINE if lease.tier == INLINE else self.tier(lease.tier).backend.transport
-        return {
-            "lease_id": lease.id,
-            "epoch": epoch_hex(self.epoch),
-            "state": lease.state.value,
-            "tier": lease.tier,
-            "transport": transport,
-            "slab": lease.extent.slab if lease.extent else None,
-            "offset": lease.extent.offset if lease.extent else None,
-            "nbytes": lease.nbytes,
-            "shape": list(lease.shape),
-            "dtype": lease.dtype,
-            "slot": lease.slot,
-            "generation": lease.generation,
-            "created_at": lease.created_at,
-            "expires_at": lease.expires_at(self.clock),
-            "ttl_s": lease.ttl_s,
-        }
+        return LeaseDescriptor(
+            lease_id=lease.id,
+            epoch=epoch_hex(self.epoch),
+            state=lease.state.value,
+            tier=lease.tier,
+            transport=transport,
+            slab=lease.extent.slab if lease.extent else None,
+            offset=lease.extent.offset if lease.extent else None,
+            nbytes=lease.nbytes,
+            shape=list(lease.shape),
+            dtype=lease.dtype,
+            slot=lease.slot,
+            generation=lease.generation,
+            created_at=lease.created_at,
+            expires_at=lease.expires_at(self.clock),
+            ttl_s=lease.ttl_s,
+        )
 
     # ---- reaping ---------------------------------------------------------------------------
 

@@ -243,14 +243,17 @@ class HandoffServer:
             return _error("protocol_error", f"'{op}' needs a string 'lease_id'")
         try:
             if op == "lookup":
-                return {"op": "lease", "lease": self.pool.describe(self.pool.get(lease_id))}
+                return {"op": "lease", "lease": self.pool.describe(self.pool.get(lease_id)).wire()}
             if op == "release":
                 self.pool.release(lease_id)
                 return {"op": "released", "lease_id": lease_id}
             ttl = msg.get("ttl_s")
             if ttl is not None and not isinstance(ttl, int | float):
                 return _error("protocol_error", "'ttl_s' must be a number")
-            return {"op": "lease", "lease": self.pool.describe(self.pool.renew(lease_id, ttl))}
+            return {
+                "op": "lease",
+                "lease": self.pool.describe(self.pool.renew(lease_id, ttl)).wire(),
+            }
         except PoolError as e:
             return _error(e.type, str(e))
         except ValueError as e:

@@ -55,7 +55,7 @@ def handle(
             torch.cuda._sleep(int(msg["sleep_cycles"]))  # delays the publish's copy behind it
         lease = pool.put(data)
         ready_now = pool.ctrl.ready(lease.slot)  # read on the host right after publish
-        reply = {"op": "lease", "lease": pool.describe(lease), "ready_after_put": ready_now}
+        reply = {"op": "lease", "lease": pool.describe(lease).wire(), "ready_after_put": ready_now}
     elif op == "stats":
         reply = {"op": "stats", "stats": pool.stats()}
     elif op == "ctx":

@@ -74,7 +74,7 @@ class Remote:
 
     def hand(self, lease: Any, seed: int) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        desc = self.pool.describe(lease)
+        desc = self.pool.describe(lease).wire()
         self.proc.stdin.write(json.dumps({"lease": desc, "seed": seed}) + "\n")
         self.proc.stdin.flush()
         return self.read()
