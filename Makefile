@@ -36,8 +36,8 @@ test: install-dev
 	$(PY) -m pytest $(ARGS)
 
 lint: install-dev
-	$(VENV)/bin/ruff check app pool featpool_vllm tests bench
-	$(VENV)/bin/ruff format --check app pool featpool_vllm tests bench
+	$(VENV)/bin/ruff check app pool featpool_vllm featpool_sglang tests bench
+	$(VENV)/bin/ruff format --check app pool featpool_vllm featpool_sglang tests bench
 	$(VENV)/bin/mypy
 
 clean:
