@@ -44,6 +44,7 @@ CHART_MANAGED_SETTINGS = {
     "port",
     "socket_path",
     "api_key",
+    "api_keys",
     "socket_token",
     "fabric_listen",
 }
