@@ -88,6 +88,14 @@ class FeaturePoolECConnector(ECConnectorBase):
                 "FeaturePoolECConnector is for ec_role 'ec_consumer': featpool is the encoder "
                 "(POST images to its /v1/encode)"
             )
+        world = int(getattr(vllm_config.parallel_config, "world_size", 1))
+        if world > 1:
+            # Every worker would open the one lease the scheduler took, and the first ack
+            # would end it under the others. One lease per rank needs multi-reader leases.
+            raise ValueError(
+                f"FeaturePoolECConnector supports one worker per engine, not {world} "
+                "(tensor/pipeline parallelism): run vLLM with TP=1 and PP=1"
+            )
         extra: dict[str, Any] = dict(vllm_config.ec_transfer_config.ec_connector_extra_config)
         self.url = str(extra.get("url", DEFAULT_URL)).rstrip("/")
         self.socket = extra.get("socket")
@@ -191,6 +199,15 @@ class FeaturePoolECConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FeaturePoolECMetadata)
+        # Evictions first: an entry evicted and leased again in one step has two leases.
+        self._pending_free.update(meta.freed)
+        for identifier in list(self._pending_free):
+            if identifier in encoder_cache:  # not popped yet: release on a later step
+                continue
+            self._pending_free.discard(identifier)
+            gone = self._open.pop(identifier, None)
+            if gone is not None:
+                self._release(gone)
         for identifier, desc in meta.loads.items():
             if identifier in encoder_cache:  # another step already placed it
                 self._release(desc)
@@ -201,14 +218,6 @@ class FeaturePoolECConnector(ECConnectorBase):
                 self._open[identifier] = desc
             else:
                 self._release(desc)
-        self._pending_free.update(meta.freed)
-        for identifier in list(self._pending_free):
-            if identifier in encoder_cache:  # not popped yet: release on a later step
-                continue
-            self._pending_free.discard(identifier)
-            gone = self._open.pop(identifier, None)
-            if gone is not None:
-                self._release(gone)
 
     def _load(self, desc: dict[str, Any]) -> tuple[torch.Tensor, bool]:
         """(the tensor for vLLM's encoder cache, whether it views the pool's memory)."""

@@ -88,5 +88,6 @@ def test_connector_against_real_vllm_and_featpool(tmp_path: Path) -> None:
             timeout=600,
         )
     out = r.stdout + r.stderr
+    print(r.stdout)  # the checks it passed (pytest -s shows them)
     assert r.returncode == 0, out[-6000:]
     assert "ALL OK" in r.stdout, out[-6000:]

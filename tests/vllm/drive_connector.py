@@ -122,6 +122,17 @@ try:
 except ValueError:
     check(True, "a producer role is refused")
 
+try:
+    two = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        ec_transfer_config=config.ec_transfer_config,
+    )
+    two.parallel_config.world_size = 2
+    FeaturePoolECConnector(two, ECConnectorRole.WORKER)
+    check(False, "more than one worker per engine is refused")
+except ValueError:
+    check(True, "more than one worker per engine is refused")
+
 # featpool encodes an image; its answer's feature_hash is the vLLM multimodal uuid.
 with open(sys.argv[3], "rb") as f:
     image = f.read()
@@ -180,6 +191,36 @@ check(
     "leases taken and never loaded are given back: only the uploader's remains",
 )
 check(metric("featpool_images_total", outcome="encoded") == encoded, "one encode in all")
+
+# Evicted and leased again within one step: the old lease ends, the new one is held.
+check(sched.has_cache_item(digest), "leased for a new request")
+sched.update_state_after_alloc(request("r4", digest, tokens), 0)
+out4 = step([])
+out4.ec_connector_metadata = sched.build_connector_meta(out4)
+old = out4.ec_connector_metadata.loads[digest]
+with runner.maybe_get_output(out4):
+    pass
+check(sched.has_cache_item(digest), "vLLM evicted it and asks again in the same step")
+sched.update_state_after_alloc(request("r5", digest, tokens), 0)
+out5 = step([digest])
+out5.ec_connector_metadata = sched.build_connector_meta(out5)
+new = out5.ec_connector_metadata.loads[digest]
+check(new["lease_id"] != old["lease_id"], "with a lease of its own")
+cache.free_encoder_cache(digest)
+with runner.maybe_get_output(out5):
+    pass
+check(wait_for(lambda: lease_state(old["lease_id"]) == 410), "the evicted entry's lease ends")
+check(lease_state(new["lease_id"]) == 200, "the new entry's lease is held")
+check(torch.equal(cache.encoder_outputs[digest], expected), "and the cache holds the features")
+out6 = step([digest])
+out6.ec_connector_metadata = sched.build_connector_meta(out6)
+cache.free_encoder_cache(digest)
+with runner.maybe_get_output(out6):
+    pass
+check(
+    wait_for(lambda: http.get("/v1/pool").json()["leases_active"] == 1),
+    "after the last eviction only the uploader's lease remains",
+)
 
 worker.shutdown()
 sched.shutdown()
