@@ -16,6 +16,7 @@ from pydantic_settings import CliApp, SettingsConfigDict
 
 from app import logs
 from app.backends import preflight
+from app.encoders import check_encoder_name
 from app.front import listen_shared, settings_env
 from app.jobs import channel_paths
 from app.main import create_app
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"featpool: invalid settings:\n{e}")
     try:
         preflight(settings)
-    except PoolError as e:
+        check_encoder_name(settings.encoder)
+    except (PoolError, ValueError) as e:
         sys.exit(f"featpool: {e}")
     logs.setup(settings.log_level, settings.log_json)
     # The batch thread launches GPU work and publishes leases while the event loop parses HTTP.

@@ -1,5 +1,6 @@
 """The engine: pool, hand-off server, encoder and batcher, built and torn down in order. Routes
-reach it through ``app.state.engine``; tests build it with a fake encoder."""
+reach it only through ``app.engine_client.EngineClient`` (``app.inprocess`` in this process);
+tests build it with a fake encoder."""
 
 from __future__ import annotations
 
@@ -8,21 +9,23 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from app.admission import BoundedExecutor
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import Encoder
+from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import decode, inspect
+from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
+from app.preprocess import ImageSpec
 from app.settings import Settings
 from pool.descriptor import LeaseDescriptor
 from pool.errors import (
@@ -55,7 +58,9 @@ class Published:
 class Job:
     label: str
     ttl_s: float | None
-    pixels: torch.Tensor | None = None  # [3, S, S] uint8 on the CPU (Pillow decoded it)
+    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing,
+    # [3, H, W] at full size, upright)
+    pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
@@ -77,13 +82,15 @@ class Engine:
         self.encoder: Encoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
-        self.decoder = ThreadPoolExecutor(
-            settings.decode_workers, thread_name_prefix="featpool-decode"
+        # Bounded like admission: admitted images never find it full; anything else does.
+        self.decoder = BoundedExecutor(
+            settings.decode_workers, settings.queue_size, "featpool-decode"
         )
         self.ready = False
         self.dead_reason: str | None = None
         self._in_flight: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._mean = self._std = torch.empty(0)
+        self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
         self.index = FeatureIndex(settings.feature_cache_entries)
 
@@ -108,6 +115,7 @@ class Engine:
             policy=s.fallback,
             wait_s=s.fallback_wait_s,
             inline_max_bytes=s.inline_max_bytes,
+            quarantine_s=s.quarantine_s,
         )
         for reason, tier in self.caps.startup_fallbacks:
             self.pool.fallbacks[(reason, tier)] += 1
@@ -130,6 +138,7 @@ class Engine:
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
+        self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -225,64 +234,55 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.pool.close()
-        self.decoder.shutdown(wait=False, cancel_futures=True)
+        self.decoder.shutdown()
 
     # ---- the encode path -------------------------------------------------------------------
 
     async def encode(
         self,
-        images: Sequence[tuple[str, bytes]],
+        images: Sequence[ImageIn],
         ttl_s: float | None,
         *,
         pooled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> list[Lease]:
-        """Validate, decode, batch, encode and publish; all or nothing: on any failure no
-        lease remains. Every image is validated before any is queued."""
+        """Decode, batch, encode and publish; all or nothing: on any failure no lease remains.
+        Every image is decoded (or, for nvJPEG, its header checked) before any is queued. The
+        caller holds an admission permit for these images (app/admission.py)."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
-        s = self.settings
         size = self.encoder.image_size
-        jobs: list[Job | None] = [None] * len(images)
+        # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
+        jobs: list[Job | None] = [
+            Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
+            if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
+            else None
+            for img in images
+        ]
+        todo = [i for i, j in enumerate(jobs) if j is None]
         try:
-            if self.jpeg is not None:
-                # JPEGs for nvJPEG: only the header is parsed here (tens of microseconds, less
-                # than a hop to the thread pool); the pixels are decoded on the GPU in batches.
-                for i, (label, data) in enumerate(images):
-                    if data[:3] == b"\xff\xd8\xff":
-                        h = inspect(
-                            data,
-                            max_pixels=s.max_image_pixels,
-                            max_bytes=s.max_image_bytes,
-                            label=label,
-                        )
-                        if h.gpu_jpeg:
-                            jobs[i] = Job(
-                                label,
-                                ttl_s,
-                                jpeg=data,
-                                orientation=h.orientation,
-                                pooled=pooled,
-                                dtype=dtype,
-                            )
-            loop = asyncio.get_running_loop()
-            todo = [i for i, j in enumerate(jobs) if j is None]
+            # Off the event loop, on the bounded decode pool: a header can take seconds to
+            # parse (a JPEG full of empty markers), a decode longer.
             tasks = [
-                loop.run_in_executor(self.decoder, self._decode, *images[i], size) for i in todo
+                asyncio.ensure_future(self.decoder.run(self._prepare, images[i], size))
+                for i in todo
             ]
             try:
-                for i, pixels in zip(todo, await asyncio.gather(*tasks), strict=True):
-                    jobs[i] = Job(images[i][0], ttl_s, pixels=pixels, pooled=pooled, dtype=dtype)
+                for i, done in zip(todo, await asyncio.gather(*tasks), strict=True):
+                    jobs[i] = done
             except BaseException:
-                for t in tasks:
+                for t in tasks:  # the ones not started yet are dropped from the pool's queue
                     t.cancel()
                 raise
         except ApiError:
             self.metrics.images.labels("rejected").inc(len(images))
             raise
-        leases = await self.batcher.submit([j for j in jobs if j is not None])
+        ready = [j for j in jobs if j is not None]
+        for j in ready:
+            j.ttl_s, j.pooled, j.dtype = ttl_s, pooled, dtype
+        leases = await self.batcher.submit(ready)
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
 
@@ -299,6 +299,7 @@ class Engine:
             "mean": list(enc.mean),
             "std": list(enc.std),
             "output_shape": list(enc.output_shape),
+            "preprocess": repr(self._spec) if self._spec is not None else "",
             "encoder_dtype": str(enc.dtype).removeprefix("torch."),
             "dtype": str(dtype or enc.dtype).removeprefix("torch."),
             "pooled": pooled,
@@ -310,7 +311,7 @@ class Engine:
 
     async def encode_cached(
         self,
-        images: Sequence[tuple[str, bytes]],
+        images: Sequence[ImageIn],
         ttl_s: float | None,
         *,
         pooled: bool = False,
@@ -324,7 +325,7 @@ class Engine:
         if not self.ready or self.encoder is None or self.pool is None:
             raise ApiError("not_ready", "the service is starting or draining")
         ident = identity_digest(self.identity(pooled, dtype))
-        digests = [feature_hash(ident, data) for _, data in images]
+        digests = [feature_hash(ident, img.data) for img in images]
         names = list(ids) if ids is not None else [None] * len(images)
         for name, digest in zip(names, digests, strict=True):
             if name is not None:
@@ -447,12 +448,32 @@ class Engine:
             )
         return Published(lease, digest, True)
 
+    def _prepare(self, img: ImageIn, size: int) -> Job:
+        """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its
+        header already parsed at the entrance); anything else is decoded here by Pillow."""
+        s = self.settings
+        if self.jpeg is not None and img.data[:3] == b"\xff\xd8\xff":
+            h = img.header or inspect(
+                img.data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                label=img.label,
+            )
+            if h.gpu_jpeg:
+                return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
+        return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
+
     def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        out = decode(
-            data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
-        )
+        if self._spec is not None:  # the model's preprocessing runs on the device, at full size
+            out = decode_upright(
+                data, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+            )
+        else:
+            out = decode(
+                data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+            )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
 
@@ -460,7 +481,7 @@ class Engine:
         self, jobs: list[Job]
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
-        that decoded: (their indices, [n, 3, S, S] float 0..255 on the device, failures)."""
+        that decoded: (their indices, [n, 3, S, S] normalised floats on the device, failures)."""
         assert self.encoder is not None
         size = self.encoder.image_size
         failed: dict[int, BaseException] = {}
@@ -488,6 +509,10 @@ class Engine:
         ok = sorted([*host, *on_gpu])
         if not ok:
             return ok, None, failed
+        if self._spec is not None:
+            images = [on_gpu[i] if i in on_gpu else self._to_device(host[i]) for i in ok]
+            orientations = [jobs[i].orientation if i in on_gpu else 1 for i in ok]
+            return ok, self._spec.apply(images, orientations), failed
         parts: list[tuple[list[int], torch.Tensor]] = []
         if on_gpu:
             g = sorted(on_gpu)
@@ -501,12 +526,18 @@ class Engine:
                 x = x.pin_memory().to(self.device, non_blocking=True)
             parts.append((h, x.float()))
         if len(parts) == 1:
-            return ok, parts[0][1], failed
-        x = torch.empty(len(ok), 3, size, size, device=self.device)
-        row = {i: r for r, i in enumerate(ok)}
-        for idx, part in parts:
-            x[torch.tensor([row[i] for i in idx], device=self.device)] = part
-        return ok, x, failed
+            x = parts[0][1]
+        else:
+            x = torch.empty(len(ok), 3, size, size, device=self.device)
+            row = {i: r for r, i in enumerate(ok)}
+            for idx, part in parts:
+                x[torch.tensor([row[i] for i in idx], device=self.device)] = part
+        return ok, (x - self._mean) / self._std, failed
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
@@ -520,7 +551,6 @@ class Engine:
             ]
             if x is None:
                 return results
-            x = (x - self._mean) / self._std
             start = self._event()
             n = x.shape[0]
             pad = next((b for b in self._buckets if b >= n), n) - n

@@ -1,7 +1,9 @@
-"""HTTP front processes (``--http-workers N``): each parses and checks uploads and sends the
-image bytes to the GPU process over the job channel (app/jobs.py); every other request is
-forwarded to the GPU process's own HTTP server on a Unix socket. One port, N processes: the
-GPU process's interpreter is left to batching, launching and publishing.
+"""HTTP front processes (``--http-workers N``): each serves the same routes as the GPU process
+(encode, leases, pool, health) with ``app.jobs.JobClient`` as their EngineClient: it parses
+uploads, takes its admission permit, parses headers, and sends the images to the GPU process over
+the job channel. What is left (/metrics, the OpenAPI document) is forwarded to the GPU process's
+own HTTP server on a Unix socket. A front imports neither torch nor the engine. One port, N
+processes: the GPU process's interpreter is left to batching, launching and publishing.
 
 Run by ``python -m app`` when ``--http-workers`` is above zero; not meant to be started alone.
 """
@@ -12,7 +14,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -20,13 +22,13 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from app import errors, logs
-from app.errors import STATUS, ApiError
+from app.admission import entrance_state
+from app.errors import ApiError
 from app.jobs import JobClient, channel_paths
 from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
-from app.routes import encode_router
+from app.routes import encode_router, ops, v1
 from app.settings import Settings
-from pool.descriptor import EncodeResponse, LeaseDescriptor
 
 # Hop-by-hop and length headers are the proxy's own business.
 _SKIP = {
@@ -66,40 +68,26 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     )
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            app.state.inspector.shutdown()
             await jobs.close()
             await core.aclose()
 
-    async def encode_images(
-        images: Sequence[tuple[str, bytes]],
-        ttl_s: float | None,
-        pooled: bool,
-        dtype: str | None,
-        *,
-        scope: str = "",
-        ids: Sequence[str | None] | None = None,
-    ) -> list[LeaseDescriptor]:
-        status, body, headers = await jobs.encode(
-            images, ttl_s, pooled, dtype, scope=scope, ids=ids
-        )
-        if status == 200:
-            return EncodeResponse.model_validate(body).items
-        err = body.get("error", {})
-        kind = err.get("type") if err.get("type") in STATUS else "internal_error"
-        raise ApiError(kind, str(err.get("message", "")), headers=headers or None)
-
-    # The GPU process serves the OpenAPI document and the docs; forwarded like the rest.
+    # The GPU process serves the OpenAPI document and the docs; forwarded like /metrics.
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.settings = settings
     # Request metrics in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set
     # by the GPU process), which the GPU process's /metrics adds up.
     app.state.metrics = HttpMetrics(None)
-    app.state.encode_images = encode_images
+    app.state.engine_client = jobs  # every engine call goes over the job channel
+    entrance_state(app, settings)
     errors.install(app)
     app.include_router(encode_router)
+    app.include_router(v1)
+    app.include_router(ops)
 
     @app.api_route(
         "/{path:path}",

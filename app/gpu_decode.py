@@ -1,8 +1,10 @@
 """JPEG decode on the GPU (nvJPEG through torchvision), and the resize that follows it.
 
 torchvision is imported lazily: it is optional, and the service runs without it (Pillow decodes
-everything on the CPU then). ``preprocess`` is plain torch and runs on any device, so its
-behaviour (EXIF orientation, crop, antialiased resize) is tested on the CPU against Pillow.
+everything on the CPU then). ``preprocess`` is featpool's default preprocessing (for encoders
+without a processor config of their own; those use ``app.preprocess.ImageSpec``); it is plain
+torch and runs on any device, so its behaviour (EXIF orientation, crop, antialiased resize) is
+tested on the CPU against Pillow.
 """
 
 from __future__ import annotations
@@ -14,28 +16,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as nnf
 
+from app.preprocess import orient
+
 log = logging.getLogger(__name__)
 
 DecodeFn = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
-
-
-def orient(x: torch.Tensor, orientation: int) -> torch.Tensor:
-    """Apply an EXIF orientation to ``[..., H, W]`` as Pillow's ``exif_transpose`` does."""
-    if orientation == 2:  # FLIP_LEFT_RIGHT
-        return x.flip(-1)
-    if orientation == 3:  # ROTATE_180
-        return x.flip(-2, -1)
-    if orientation == 4:  # FLIP_TOP_BOTTOM
-        return x.flip(-2)
-    if orientation == 5:  # TRANSPOSE
-        return x.transpose(-2, -1)
-    if orientation == 6:  # ROTATE_270 (90 degrees clockwise)
-        return torch.rot90(x, -1, (-2, -1))
-    if orientation == 7:  # TRANSVERSE
-        return x.flip(-2, -1).transpose(-2, -1)
-    if orientation == 8:  # ROTATE_90 (counter-clockwise)
-        return torch.rot90(x, 1, (-2, -1))
-    return x
 
 
 def centre_square(x: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,15 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
+
+if TYPE_CHECKING:  # imported when a decode needs it (_chw): front processes parse headers only
+    import torch
 
 FORMATS = {
     "JPEG": "image/jpeg",
@@ -52,6 +55,13 @@ class Header:
     mode: str
     orientation: int  # EXIF orientation, 1 (upright) to 8
     gpu_jpeg: bool  # a JPEG nvJPEG can take: RGB or grayscale, ending in EOI
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the decoded pixels: width x height x channels x bytes per sample."""
+        mode = ImageMode.getmode(self.mode)
+        sample = int(mode.typestr[-1]) if mode.typestr[-1].isdigit() else 1
+        return self.width * self.height * len(mode.bands) * sample
 
 
 @contextmanager
@@ -125,8 +135,40 @@ def decode(
         im.load()
         rgb = _to_rgb(ImageOps.exif_transpose(im))
         rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
+    return _chw(rgb)
+
+
+def decode_upright(
+    data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image"
+) -> torch.Tensor:
+    """Decode at full size to ``[3, H, W]`` uint8, as transformers turns a file into the image
+    its processor sees: EXIF orientation applied (``transformers.image_utils.load_image``), then
+    ``convert_to_rgb``. What follows (resize, crop, ...) is the model's ``app.preprocess``."""
+    with _image_errors(label):
+        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
+        im.load()
+        rgb = to_rgb_as_transformers(ImageOps.exif_transpose(im))
+    return _chw(rgb)
+
+
+def _chw(rgb: Image.Image) -> torch.Tensor:
+    """``[3, H, W]`` uint8. torch is imported here, not at the top: front processes import
+    this module for ``inspect`` and must not load torch."""
+    import torch
+
     arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+def to_rgb_as_transformers(im: Image.Image) -> Image.Image:
+    """transformers' ``convert_to_rgb`` (5.2x): transparency composited onto white, everything
+    else through Pillow's ``convert("RGB")`` (which saturates 16-bit values at 255, unlike
+    ``_to_rgb`` below; matching the model's processor wins here)."""
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import platform
 import shutil
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -15,14 +15,15 @@ import torch
 from fastapi import FastAPI
 
 from app import errors
+from app.admission import entrance_state
 from app.encoders.base import Encoder
 from app.engine import Engine
+from app.inprocess import InProcessEngineClient
 from app.jobs import JobServer, channel_paths
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
-from app.routes import encode_router, ops, v1
+from app.routes import encode_router, metrics_router, ops, v1
 from app.settings import Settings
-from pool.descriptor import LeaseDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +47,7 @@ def create_app(
     metrics = Metrics(front_metrics_dir)
     engine = Engine(settings, metrics, encoder)
 
-    async def encode_images(
-        images: Sequence[tuple[str, bytes]],
-        ttl_s: float | None,
-        pooled: bool,
-        dtype: str | None,
-        *,
-        scope: str = "",
-        ids: Sequence[str | None] | None = None,
-    ) -> list[LeaseDescriptor]:
-        published = await engine.encode_cached(
-            images,
-            ttl_s,
-            pooled=pooled,
-            dtype=getattr(torch, dtype) if dtype else None,
-            scope=scope,
-            ids=ids,
-        )
-        assert engine.pool is not None
-        return [engine.describe_published(p) for p in published]
-
-    # With --http-workers, front processes send encode jobs over this channel.
-    jobs = (
-        JobServer(channel_paths(settings.socket_path)[0], encode_images, engine.release_quietly)
-        if settings.http_workers > 0
-        else None
-    )
+    client = InProcessEngineClient(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +66,15 @@ def create_app(
         metrics.queue_depth.set_function(
             lambda: float(engine.batcher.depth if engine.batcher else 0)
         )
+        metrics.admitted_images.set_function(lambda: float(app.state.admission.images))
+        metrics.admitted_bytes.set_function(lambda: float(app.state.admission.bytes))
+        # With --http-workers, front processes send their engine calls over this channel;
+        # encode jobs take a permit of the same Admission as this process's own routes.
+        jobs = (
+            JobServer(channel_paths(settings.socket_path)[0], client, app.state.admission)
+            if settings.http_workers > 0
+            else None
+        )
         if jobs is not None:
             await jobs.start()
         log_startup(settings, engine)
@@ -99,6 +84,7 @@ def create_app(
             if jobs is not None:
                 await jobs.stop()
             await engine.stop()
+            app.state.inspector.shutdown()
             if front_metrics_dir is not None:  # made for this run by `python -m app`
                 shutil.rmtree(front_metrics_dir, ignore_errors=True)
 
@@ -109,14 +95,16 @@ def create_app(
         description="GPU feature transport: encode images, lease the features, map "
         "them zero-copy from another process.",
     )
+    entrance_state(app, settings)
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.engine = engine
-    app.state.encode_images = encode_images
+    app.state.engine = engine  # for tests and start-up logs; routes use engine_client only
+    app.state.engine_client = client
     errors.install(app)
     app.include_router(encode_router)
     app.include_router(v1)
     app.include_router(ops)
+    app.include_router(metrics_router)
     app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app
 

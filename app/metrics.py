@@ -119,6 +119,26 @@ class PoolCollector(Collector):
         for tier, n in s["alloc_failures"].items():
             failures.add_metric([tier], n)
         yield failures
+        quarantine = CounterMetricFamily(
+            "featpool_lease_quarantine",
+            "Leases whose memory was kept after they ended because a consumer still had them "
+            "open (held), and how each hold ended (released: every opener acked or detached; "
+            "timed_out: reused after the quarantine limit)",
+            labels=["outcome"],
+        )
+        for outcome in ("held", "released", "timed_out"):
+            quarantine.add_metric([outcome], s.get("quarantine", {}).get(outcome, 0))
+        yield quarantine
+        yield GaugeMetricFamily(
+            "featpool_quarantined_leases",
+            "Ended leases whose memory is held for consumers that opened them",
+            value=s.get("quarantined_leases", 0),
+        )
+        yield GaugeMetricFamily(
+            "featpool_quarantined_bytes",
+            "Bytes held by quarantined leases (counted in featpool_pool_used_bytes too)",
+            value=s.get("quarantined_bytes", 0),
+        )
 
 
 class HttpMetrics:
@@ -140,6 +160,13 @@ class HttpMetrics:
         )
         self.rejected = Counter(
             "featpool_rejected", "Requests turned away before work", ["reason"], registry=r
+        )
+        self.admission = Counter(
+            "featpool_admission_images",
+            "Images of encode requests at the entrance: admitted, refused (429: no room), invalid "
+            "(refused at the header, before the engine: not an image, over a limit)",
+            ["outcome"],
+            registry=r,
         )
 
 
@@ -194,6 +221,16 @@ class Metrics(HttpMetrics):
             "featpool_queue_depth", "Images waiting for the encoder", registry=r
         )
         self.images = Counter("featpool_images", "Images by outcome", ["outcome"], registry=r)
+        self.admitted_images = Gauge(
+            "featpool_admission_in_flight_images",
+            "Images holding an admission permit (being inspected, decoded, queued or encoded)",
+            registry=r,
+        )
+        self.admitted_bytes = Gauge(
+            "featpool_admission_in_flight_decoded_bytes",
+            "Decoded bytes (from the headers) of the images holding an admission permit",
+            registry=r,
+        )
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))

@@ -1,39 +1,40 @@
-"""HTTP routes. They only parse, check and translate: the work is in the engine and the pool."""
+"""HTTP routes. They only parse, check and translate: the work is behind the EngineClient
+(app/engine_client.py). They import neither torch nor the engine nor the pool, so that HTTP
+front processes can serve them (tests/test_entrance.py checks).
+
+The encode route is the entrance: it takes an admission permit (app/admission.py) for its
+images before parsing any header, parses the headers off the event loop, adds their decoded
+bytes to the permit, and only then hands the images to the engine."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
-from safetensors.torch import save
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from app.engine import Engine, Published
+from app.admission import Admission, BoundedExecutor
+from app.engine_client import (
+    EncodeOptions,
+    EngineClient,
+    EngineDeadError,
+    FeatureQuery,
+    ImageIn,
+    engine_client,
+)
 from app.errors import ApiError
 from app.featindex import check_id, scope_of
-from app.imaging import check_content_type
-from app.jobs import EncodeFn
-from app.metrics import Metrics
+from app.imaging import Header, check_content_type, inspect
+from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
 from pool.descriptor import EncodeResponse, FeatureInfo, LeaseDescriptor
-from pool.featurepool import FeaturePool
-
-
-def engine(request: Request) -> Engine:
-    return request.app.state.engine  # type: ignore[no-any-return]
-
-
-def pool(request: Request) -> FeaturePool:
-    p = engine(request).pool
-    if p is None:
-        raise ApiError("not_ready", "the pool is not built yet")
-    return p
 
 
 def _api_keys(settings: Settings) -> list[str]:
@@ -89,10 +90,11 @@ DtypeQuery = Annotated[
     Query(description="dtype of the published features; default: the encoder's"),
 ]
 
-# The encode route on its own router: HTTP front processes serve it and proxy the rest.
+# Every process that answers HTTP serves these three; only the GPU process serves /metrics.
 encode_router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-ops = APIRouter()
+ops = APIRouter()  # health: every process that answers HTTP
+metrics_router = APIRouter()  # /metrics: the GPU process, which adds up the fronts' metrics
 
 
 # The route reads its body itself (it streams and limits it), so FastAPI cannot describe it.
@@ -155,18 +157,67 @@ async def encode(
             ids = list(form_ids)
     else:
         check_content_type(ctype)
-        data = await request.body()
-        images = [("image", data)]
+        images = [("image", await request.body())]
     if id is not None:
         if len(images) != 1:
             raise ApiError("validation_error", "?id= names one image; use 'id' fields for more")
         ids = [id]
     for i in ids or []:
         check_id(i or "")
-    # The engine in this process, or the GPU process behind a front (app/front.py).
-    encode_images: EncodeFn = request.app.state.encode_images
-    items = await encode_images(images, ttl_s, pooled, dtype, scope=caller_scope(request), ids=ids)
-    return EncodeResponse(items=items)
+    client = engine_client(request)
+    options = EncodeOptions(
+        ttl_s=ttl_s,
+        pooled=pooled,
+        dtype=dtype,
+        scope=caller_scope(request),
+        ids=tuple(ids) if ids is not None else None,
+    )
+    return EncodeResponse(items=await admit_and_encode(request, client, images, options))
+
+
+async def admit_and_encode(
+    request: Request,
+    client: EngineClient,
+    images: Sequence[tuple[str, bytes]],
+    options: EncodeOptions,
+) -> list[LeaseDescriptor]:
+    """The permit first (images), then the headers off the event loop, then the permit's
+    decoded bytes, then the engine; the permit is held until the engine is done."""
+    s: Settings = request.app.state.settings
+    admission: Admission = request.app.state.admission
+    inspector: BoundedExecutor = request.app.state.inspector
+    metrics: HttpMetrics = request.app.state.metrics
+    admitted = False
+    try:
+        with admission.try_acquire(len(images)) as permit:
+            headers = await inspector.run(
+                _inspect_all, images, s.max_image_pixels, s.max_image_bytes
+            )
+            permit.grow(sum(h.decoded_bytes for h in headers))
+            admitted = True
+            return await client.encode(
+                [ImageIn(label, data, h) for (label, data), h in zip(images, headers, strict=True)],
+                options,
+            )
+    except ApiError as e:
+        # Refused for want of room, here or (behind a front) by the GPU process's own permit;
+        # or refused at the header (not an image, over a limit) before the engine saw it.
+        if e.type == "queue_full":
+            metrics.admission.labels("refused").inc(len(images))
+            admitted = False
+        elif not admitted:
+            metrics.admission.labels("invalid").inc(len(images))
+        raise
+    finally:
+        if admitted:
+            metrics.admission.labels("admitted").inc(len(images))
+
+
+def _inspect_all(
+    images: Sequence[tuple[str, bytes]], max_pixels: int, max_bytes: int
+) -> list[Header]:
+    """On the inspector's threads: one hop per request, not per image."""
+    return [inspect(d, max_pixels=max_pixels, max_bytes=max_bytes, label=lb) for lb, d in images]
 
 
 async def _multipart_images(
@@ -212,8 +263,7 @@ async def _multipart_images(
 
 @v1.get("/leases/{lease_id}", response_model=LeaseDescriptor, responses={404: {}, 410: {}})
 async def get_lease(request: Request, lease_id: str) -> LeaseDescriptor:
-    p = pool(request)
-    return p.describe(p.get(lease_id))
+    return await engine_client(request).lease(lease_id)
 
 
 @v1.get(
@@ -229,11 +279,7 @@ async def get_lease(request: Request, lease_id: str) -> LeaseDescriptor:
 )
 async def get_tensor(request: Request, lease_id: str) -> Response:
     """The features as a safetensors file (one tensor named ``features``)."""
-    p = pool(request)
-    import asyncio
-
-    tensor = await asyncio.to_thread(p.read, lease_id)
-    body = save({"features": tensor.contiguous()}, metadata={"lease_id": lease_id})
+    body = await engine_client(request).tensor(lease_id)
     disposition = f'attachment; filename="{lease_id}.safetensors"'
     return Response(
         body, media_type="application/octet-stream", headers={"Content-Disposition": disposition}
@@ -248,18 +294,18 @@ async def get_tensor(request: Request, lease_id: str) -> Response:
 async def renew_lease(
     request: Request, lease_id: str, body: RenewIn | None = None
 ) -> LeaseDescriptor:
-    p = pool(request)
-    return p.describe(p.renew(lease_id, body.ttl_s if body else None))
+    return await engine_client(request).renew(lease_id, body.ttl_s if body else None)
 
 
 @v1.delete("/leases/{lease_id}", status_code=204, responses={404: {}, 410: {}})
 async def delete_lease(request: Request, lease_id: str) -> Response:
-    pool(request).release(lease_id)
+    await engine_client(request).release(lease_id)
     return Response(status_code=204)
 
 
-def _shape(text: str | None) -> list[int] | None:
-    return None if text is None else [int(x) for x in text.split(",")]
+def _query(request: Request, ref: str, shape: str | None, dtype: str | None) -> FeatureQuery:
+    dims = tuple(int(x) for x in shape.split(",")) if shape is not None else None
+    return FeatureQuery(caller_scope(request), ref, dims, dtype)
 
 
 @v1.get("/features/{ref}", response_model=FeatureInfo, responses={404: {}, 409: {}})
@@ -268,12 +314,13 @@ async def get_features(
 ) -> FeatureInfo:
     """Whether features named by their hash or by your id are resident; their shape and
     dtype. No lease is made."""
-    digest, shp, dt = engine(request).feature_info(caller_scope(request), ref, _shape(shape), dtype)
-    return FeatureInfo(feature_hash=digest, shape=list(shp), dtype=dt)
+    return await engine_client(request).features(_query(request, ref, shape, dtype))
 
 
 @v1.post(
-    "/features/{ref}/lease", response_model=LeaseDescriptor, responses={404: {}, 409: {}, 503: {}}
+    "/features/{ref}/lease",
+    response_model=LeaseDescriptor,
+    responses={404: {}, 409: {}, 503: {}},
 )
 async def lease_features(
     request: Request,
@@ -285,42 +332,32 @@ async def lease_features(
     """A new lease on resident features named by their hash or by your id, without encoding:
     the lease holds a copy of them (device-to-device on the GPU tier). 404 if they are no
     longer resident; 409 if they disagree with the ``shape``/``dtype`` you expect."""
-    eng = engine(request)
-    p: Published = eng.lease_features(caller_scope(request), ref, ttl_s, _shape(shape), dtype)
-    return eng.describe_published(p)
+    return await engine_client(request).lease_features(_query(request, ref, shape, dtype), ttl_s)
 
 
 @v1.get("/pool")
 async def pool_info(request: Request) -> dict[str, Any]:
-    eng = engine(request)
-    stats = pool(request).stats()
-    stats["epoch"] = f"{stats['epoch']:016x}"
-    stats["fallbacks"] = [
-        {"reason": r, "tier": t, "count": n} for (r, t), n in stats["fallbacks"].items()
-    ]
-    stats["socket_path"] = str(eng.settings.socket_path)
-    stats["capabilities"] = vars(eng.caps) if eng.caps else {}
-    stats["feature_cache"] = eng.index.stats()
-    return stats
+    return await engine_client(request).pool_info()
 
 
 @ops.get("/health/live")
 async def live(request: Request) -> JSONResponse:
-    reason = engine(request).dead_reason
-    if reason:
-        return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
+    try:
+        await engine_client(request).check_health()
+    except EngineDeadError as e:
+        return JSONResponse({"status": "dead", "reason": str(e)}, status_code=503)
     return JSONResponse({"status": "alive"})
 
 
 @ops.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    eng = engine(request)
-    if not eng.ready or eng.dead_reason:
+    h = await engine_client(request).health()
+    if not h.ready or h.dead_reason:
         return JSONResponse({"status": "not_ready"}, status_code=503)
     return JSONResponse({"status": "ready"})
 
 
-@ops.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain
+@metrics_router.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain
 async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

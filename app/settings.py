@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
     lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
     max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
+    quarantine_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long an ended lease a consumer still has open keeps its memory",
+    )
     fallback: Literal["fallback", "wait", "reject"] = Field(
         "fallback", description="when the first tier is full: next tier, bounded wait, or 503"
     )
@@ -99,7 +104,17 @@ class Settings(BaseSettings):
     )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
-    queue_size: int = Field(256, gt=0, description="images waiting at most; beyond -> 429")
+    queue_size: int = Field(
+        256,
+        gt=0,
+        description="images admitted at most (header parse, decode, queue, encode); beyond -> 429",
+    )
+    max_inflight_decoded_bytes: int = Field(
+        2048 * MiB,
+        gt=0,
+        description="decoded bytes (width x height x channels x bytes per sample, read from "
+        "the headers) admitted at most across requests; beyond -> 429, a request above it -> 413",
+    )
     decode_workers: int = Field(4, gt=0, description="threads decoding images on the CPU")
 
     # Input limits

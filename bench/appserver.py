@@ -40,7 +40,7 @@ def gpu_name() -> str:
 
 
 class AppServer:
-    """``python -m app --port PORT *args``; its output goes to ``log``."""
+    """``python -m app --port PORT *args`` run in ``root``; its output goes to ``log``."""
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class AppServer:
         port: int | None = None,
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
+        root: Path = ROOT,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -58,7 +59,7 @@ class AppServer:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 self.cmd,
-                cwd=ROOT,
+                cwd=root,  # another checkout's server, for a same-run baseline
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

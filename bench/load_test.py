@@ -9,8 +9,14 @@ pool occupancy every second.
 Every lease a client gets is released, half by ``DELETE /v1/leases/{id}``, half by a consumer
 ack written through FeatureClient (the reaper recycles it). At the end it checks, prints and
 (with --json) writes: 429s appeared under overload, no 5xx, RSS did not keep growing (mean of
-the last third of the samples against the first third), and occupancy is back to zero.
+the last third of the samples against the first third), occupancy is back to zero, and no
+image was decoded for a request that was then refused (every upload is a valid image, so the
+images decoded, ``featpool_decode_duration_seconds_count``, minus the images of 200 answers
+are the ones decoded for nothing).
 Exit status 1 if a check fails. All traffic goes to 127.0.0.1, bounded by --duration.
+
+    # a same-run baseline: the server of another checkout (e.g. `git worktree add /tmp/m main`)
+    python bench/load_test.py --duration 30 --server-root /tmp/m
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import io
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +60,16 @@ def make_images(seed: int = 0) -> list[tuple[str, bytes, str]]:
             Image.fromarray(arr).save(buf, fmt)
             out.append((f"{w}x{h}.{fmt.lower()}", buf.getvalue(), ctype))
     return out
+
+
+def git_head(root: Path) -> str:
+    r = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    return r.stdout.strip() or "unknown"
 
 
 def rss_bytes(pid: int) -> int:
@@ -179,6 +196,7 @@ async def drive(run: Run, url: str, pid: int) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "final_occupancy": final,
         "rejected_queue_full": metric(metrics_text, 'featpool_rejected_total{reason="queue_full"}'),
+        "images_decoded": metric(metrics_text, "featpool_decode_duration_seconds_count"),
     }
 
 
@@ -223,6 +241,8 @@ def summarize(run: Run, extra: dict[str, Any]) -> dict[str, Any]:
         "max_leases_active": max((x["leases_active"] for x in s), default=0),
         "final_occupancy": extra["final_occupancy"],
         "rejected_queue_full_metric": extra["rejected_queue_full"],
+        "images_decoded": extra["images_decoded"],
+        "images_decoded_then_refused": extra["images_decoded"] - run.images_ok,
         "errors": run.errors[:10],
     }
     checks = {
@@ -233,6 +253,7 @@ def summarize(run: Run, extra: dict[str, Any]) -> dict[str, Any]:
         "queue depth never above the limit": res["max_queue_depth"] <= a.queue_size,
         "no leaked lease (occupancy 0 at the end)": extra["final_occupancy"]
         == {"used_bytes": 0, "leases_active": 0},
+        "no image decoded for a refused request": res["images_decoded_then_refused"] == 0,
     }
     res["checks"] = checks
     return res
@@ -250,6 +271,9 @@ def main() -> int:
     p.add_argument("--ttl", type=float, default=30.0, help="lease TTL asked by the clients")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--socket-dir", type=Path, help="directory for the hand-off socket")
+    p.add_argument(
+        "--server-root", type=Path, default=ROOT, help="checkout whose server to run (baseline)"
+    )
     a = p.parse_args()
 
     sock_dir = a.socket_dir or Path(tempfile.mkdtemp(prefix="featpool-load-"))
@@ -274,7 +298,9 @@ def main() -> int:
         "0",
     ]
     try:
-        server = AppServer(args, log, env={"FEATPOOL_LOG_LEVEL": "WARNING"})
+        server = AppServer(
+            args, log, env={"FEATPOOL_LOG_LEVEL": "WARNING"}, root=a.server_root.resolve()
+        )
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 2
@@ -288,6 +314,7 @@ def main() -> int:
         exit_code = server.close()
     res = summarize(run, extra)
     res["command"] = " ".join(["python", "bench/load_test.py", *sys.argv[1:]])
+    res["server_commit"] = git_head(a.server_root)
     res["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     res["server_exit"] = exit_code
     print(json.dumps({k: v for k, v in res.items() if k != "checks"}, indent=1))

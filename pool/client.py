@@ -23,7 +23,6 @@ producer) when the deadline could have passed.
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import threading
@@ -34,8 +33,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pool.backends.host_shm import map_slab, tensor_over
-from pool.control import ControlBlock
+from pool.backends.host_shm import HostSlab
+from pool.control import AckBlock, ControlBlock, full_fence, gen_reached
 from pool.descriptor import LeaseDescriptor
 from pool.errors import (
     HandoffError,
@@ -67,22 +66,13 @@ class SlabMapping(Protocol):
     def close(self) -> None: ...
 
 
-class _HostSlab:
-    def __init__(self, fd: int, size: int) -> None:
-        self._mm: mmap.mmap | None = map_slab(fd, size, writable=False)
-        os.close(fd)  # the mapping keeps the memory; the FD is no longer needed
-
-    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        assert self._mm is not None, "slab closed"
-        return tensor_over(self._mm, offset, dtype, shape)
-
-    def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a tensor still views it; it is unmapped with the last view
-                pass
-            self._mm = None
+def _host_slab(fd: int, size: int) -> HostSlab:
+    """Map a received host_shm slab read-only; takes ``fd`` (closed here, mapped or not). The
+    tensors it gives keep the mapping alive until the last of them is gone."""
+    try:
+        return HostSlab(fd, size, writable=False)
+    finally:
+        os.close(fd)
 
 
 class FeatureClient:
@@ -104,6 +94,7 @@ class FeatureClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._ctrl: ControlBlock | None = None
+        self._acks: AckBlock | None = None  # this consumer's own opened / ack words
         self._slabs: dict[tuple[str, int], SlabMapping] = {}
         self._transports: dict[str, str] = {}
         self._cuda: Any = None  # pool.backends.cuda_vmm.CudaConsumer when a GPU tier exists
@@ -162,35 +153,37 @@ class FeatureClient:
                     raise HandoffError(f"unexpected answer to a remote hello: {msg['op']}")
                 self._map_remote(msg)
             else:
-                if msg["op"] != "welcome" or len(fds) != 1 + len(msg["slabs"]):
+                if msg["op"] != "welcome" or len(fds) != 2 + len(msg["slabs"]):
                     raise HandoffError(
                         f"unexpected answer to hello: {msg['op']} with {len(fds)} FDs"
                     )
                 self._map(msg, fds)
         except BaseException:
             sock.close()
-            self._unmap()  # first: it closes the control block's FD, which it owns
-            for fd in fds:
-                _close_quietly(fd)
+            self._unmap()
+            for fd in fds:  # only those no mapper took (each mapper closes the FD it takes)
+                os.close(fd)
             raise
         self._sock = sock
         self.epoch = msg["epoch"]
         self.welcome = msg
 
     def _map(self, msg: dict[str, Any], fds: list[int]) -> None:
-        ctrl_fd, slab_fds = fds[0], fds[1:]
-        self._ctrl = ControlBlock.attach(ctrl_fd)
+        """Map what the welcome carries. Each FD is popped from ``fds`` as it is handed to the
+        mapper that takes it, so on failure the caller closes only the rest: each exactly once."""
+        self._ctrl = ControlBlock.attach(fds.pop(0))  # read-only
+        self._acks = AckBlock.attach(fds.pop(0), self._ctrl.nslots)  # ours, read-write
         if epoch_hex(self._ctrl.epoch) != msg["epoch"]:
             raise HandoffError("control block epoch does not match the welcome message")
-        for slab, fd in zip(msg["slabs"], slab_fds, strict=True):
+        for slab in msg["slabs"]:
             self._transports[slab["tier"]] = slab["transport"]
             key = (slab["tier"], slab["index"])
             if slab["transport"] == "host_shm":
-                self._slabs[key] = _HostSlab(fd, slab["size"])
+                self._slabs[key] = _host_slab(fds.pop(0), slab["size"])
             elif slab["transport"] == "cuda_vmm":
-                self._slabs[key] = self._cuda_consumer(msg).map_slab(fd, slab["size"])
+                consumer = self._cuda_consumer(msg)
+                self._slabs[key] = consumer.map_slab(fds.pop(0), slab["size"])
             else:
-                os.close(fd)
                 raise HandoffError(f"unknown transport {slab['transport']!r}")
 
     def _map_remote(self, msg: dict[str, Any]) -> None:
@@ -211,7 +204,7 @@ class FeatureClient:
             from pool.backends.cuda_vmm import CudaConsumer
 
             assert self._ctrl is not None
-            self._cuda = CudaConsumer(self._ctrl, msg.get("cuda", {}), self.device)
+            self._cuda = CudaConsumer(self._ctrl, msg.get("cuda", {}), self.device, acks=self._acks)
         return self._cuda
 
     def reattach(self) -> None:
@@ -226,12 +219,24 @@ class FeatureClient:
         reply = self._request({"op": "lookup", "lease_id": lease_id})
         return LeaseDescriptor.parse(reply["lease"]).wire()
 
-    def open(self, lease: LeaseRef, *, timeout_s: float | None = None) -> torch.Tensor:
-        """A zero-copy, read-only tensor over the lease's features.
+    def open(
+        self, lease: LeaseRef, *, timeout_s: float | None = None, host_wait: bool = True
+    ) -> torch.Tensor:
+        """A zero-copy, read-only tensor over the lease's features. It keeps its mapping alive
+        (also after ``close`` or ``reattach``) until the last view of it is gone.
 
-        Host tier: waits (on the host, up to ``timeout_s``) for the ready word. GPU tier: enqueues
-        the wait on the current CUDA stream and returns at once; kernels you launch after it on
-        that stream see the published bytes.
+        Marks the lease opened in this consumer's ack words first: from then on the producer
+        does not reuse its memory until ``release`` (or this client's disconnect), even past
+        the deadline or a DELETE (docs/protocol.md 4). Then waits on the host, up to
+        ``timeout_s`` (default: the client's ``timeout_s``), until the lease is published,
+        raising TimeoutError if it is not (a producer that died before publishing). On the GPU
+        tier it then also enqueues the stream wait on the ready word, which orders your later
+        kernels on the current stream after the producer's copy.
+
+        ``host_wait=False`` (GPU tier): skip the host wait and return at once, with only the
+        stream wait enqueued; nothing then bounds that wait if the producer dies before its
+        copy (the stream waits until this process exits). A consumer on another node always
+        works this way: it has no host-visible ready word.
         """
         desc = self._descriptor(lease)
         if desc["tier"] == INLINE:
@@ -248,25 +253,52 @@ class FeatureClient:
                 f"has not mapped (a consumer on another node maps only the GPU tier): fetch it "
                 f"with GET /v1/leases/{desc['lease_id']}/tensor"
             )
-        if self._transports[desc["tier"]] == "cuda_vmm":
-            self._cuda.wait_ready(slot, gen)
-        else:
-            assert ctrl is not None
-            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-            while ctrl.ready(slot) < gen:  # the ready word only grows: >= means published
+        gpu = self._transports[desc["tier"]] == "cuda_vmm"
+        if ctrl is not None:
+            self._mark_opened(desc, ctrl, slot, gen)
+        if ctrl is not None and (host_wait or not gpu):
+            limit = self.timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + limit
+            while not gen_reached(ctrl.ready(slot), gen):
                 if ctrl.gen(slot) != gen:
+                    self._withdraw(slot, gen)
                     raise StaleLease(f"lease {desc['lease_id']} ended before it was ready")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"lease {desc['lease_id']} not ready after {timeout_s}s")
+                    self._withdraw(slot, gen)
+                    raise TimeoutError(
+                        f"lease {desc['lease_id']} not published after {limit}s: the producer "
+                        f"may have died before its copy (lookup or reattach to find out)"
+                    )
                 time.sleep(0.0001)
+        if gpu:
+            self._cuda.wait_ready(slot, gen)
         return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
+
+    def _mark_opened(
+        self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int
+    ) -> None:
+        """Write our ``opened`` word, then (after a full fence) check the lease is still in
+        its slot: the producer clears ``gen`` before it reads ``opened`` marks, so either it
+        sees ours and keeps the memory, or we see its clear and do not read."""
+        assert self._acks is not None
+        self._acks.set_opened(slot, gen)
+        full_fence()
+        if ctrl.gen(slot) != gen:
+            self._withdraw(slot, gen)
+            raise StaleLease(f"lease {desc['lease_id']} is gone (released, expired, or reused)")
+
+    def _withdraw(self, slot: int, gen: int) -> None:
+        """We will not read this lease after all: ack it in our words (host store), so our
+        ``opened`` mark does not hold its memory."""
+        assert self._acks is not None
+        self._acks.set_ack(slot, gen)
 
     def is_current(self, lease: LeaseRef) -> bool:
         """True while the lease still owns its slot. Check it after reading if the deadline may
-        have passed while you read: False means the bytes may have been overwritten."""
+        have passed while you read: False means the lease ended (its bytes stay in place while
+        you hold it open, on this node). Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
-        if desc["epoch"] != self.epoch:
-            return False
+        self._check_epoch(desc)
         if self._ctrl is None:  # another node: only the producer knows
             try:
                 now = self.lookup(str(desc["lease_id"]))
@@ -276,23 +308,32 @@ class FeatureClient:
         return self._ctrl.gen(int(desc["slot"])) == int(desc["generation"])
 
     def release(self, lease: LeaseRef) -> None:
-        """Tell the producer you are done. Writes the ack word (stream-ordered on the GPU tier);
-        inline leases are released over the socket."""
+        """Tell the producer you are done. Writes this consumer's ack word (stream-ordered on
+        the GPU tier, after your reads); inline leases are released over the socket. The ack is
+        written even if the lease already ended (it frees memory quarantined for you), then
+        StaleLease says it had. Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
         if desc["tier"] == INLINE:
+            self._check_epoch(desc)
             self._request({"op": "release", "lease_id": desc["lease_id"]})
             return
-        ctrl = self._check_live(desc)
+        self._check_epoch(desc)
         slot, gen = int(desc["slot"]), int(desc["generation"])
         if self._transports.get(desc["tier"]) == "cuda_vmm":
             self._cuda.ack(slot, gen)
-        elif ctrl is not None:
-            ctrl.set_ack(slot, gen)
+        elif self._acks is not None:
+            self._acks.set_ack(slot, gen)
         else:  # a tier this client has not mapped: release over the connection
             self._request({"op": "release", "lease_id": desc["lease_id"]})
+            return
+        if self._ctrl is not None and self._ctrl.gen(slot) != gen:
+            raise StaleLease(f"lease {desc['lease_id']} had already ended (acked anyway)")
 
     def renew(self, lease: LeaseRef, ttl_s: float | None = None) -> dict[str, Any]:
+        """Extend the deadline to ``ttl_s`` from now (the producer's default TTL without it,
+        capped by its maximum). Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
+        self._check_epoch(desc)
         reply = self._request({"op": "renew", "lease_id": desc["lease_id"], "ttl_s": ttl_s})
         return dict(reply["lease"])
 
@@ -308,6 +349,14 @@ class FeatureClient:
     def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock | None:
         """The host control block (None on another node), once the lease is known to be of
         this pool instance and, where the block is readable, still in its slot."""
+        self._check_epoch(desc)
+        if self._ctrl is not None and self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
+            raise StaleLease(
+                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)"
+            )
+        return self._ctrl
+
+    def _check_epoch(self, desc: Mapping[str, Any]) -> None:
         if self._sock is None:
             raise HandoffError("client is closed; connect again")
         if desc["epoch"] != self.epoch:
@@ -316,11 +365,6 @@ class FeatureClient:
                 f"attached to epoch {self.epoch}: the producer restarted; call reattach() and "
                 f"get new leases"
             )
-        if self._ctrl is not None and self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
-            raise StaleLease(
-                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)"
-            )
-        return self._ctrl
 
     def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -345,16 +389,24 @@ class FeatureClient:
         if self._cuda is not None:
             self._cuda.close()
             self._cuda = None
+        if self._acks is not None:
+            self._acks.close()
+            self._acks = None
         if self._ctrl is not None:
             self._ctrl.close()
             self._ctrl = None
 
     def close(self) -> None:
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-        self._unmap()
+        """Unmap (on the GPU after this process's queued reads and acks finished), then hang
+        up: the producer frees what only this consumer held open. Tensors from ``open`` stay
+        readable (old bytes) until they are gone."""
+        try:
+            self._unmap()
+        finally:
+            with self._lock:
+                if self._sock is not None:
+                    self._sock.close()
+                    self._sock = None
 
     def __enter__(self) -> FeatureClient:
         return self
@@ -372,10 +424,3 @@ def _raise_if_error(msg: dict[str, Any]) -> None:
     if msg.get("op") == "error":
         cls = _ERRORS.get(str(msg.get("type")), HandoffError)
         raise cls(str(msg.get("message", "error")))
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

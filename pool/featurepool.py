@@ -6,16 +6,24 @@ Placement follows a fallback chain (GPU tier -> host tier -> inline) under a pol
   wait      use the first tier only; if it is full, wait up to ``wait_s`` for releases, then fail;
   reject    use the first tier only; if it is full, fail at once.
 Every step down the chain is counted by reason.
+
+Consumers attach through ``attach_consumer`` (the hand-off server calls it once a peer is
+authenticated) and get an ack block of their own. A lease that consumers opened ends when every
+consumer that opened it has acked it or detached; if it ends earlier (deadline, DELETE), its
+slot and memory are quarantined, not reused, until they have, or until ``quarantine_s`` more
+seconds passed (after which only that consumer's own reads can see new bytes).
+docs/protocol.md section 4 states the rule.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -23,10 +31,11 @@ import torch
 
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
-from pool.control import ControlBlock
+from pool.control import AckBlock, ControlBlock, full_fence, reopen_read_only
 from pool.descriptor import LeaseDescriptor
 from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
 from pool.leases import Lease, LeaseState, LeaseTable
+from pool.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,23 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 @dataclass
+class Attachment:
+    """What ``FeaturePool.attach_consumer`` gives the hand-off server for one consumer: the
+    ``welcome`` message and its FDs, in order (control block read-only, the consumer's ack
+    block read-write, then one per slab). The caller owns ``fds``: send them, then
+    ``close_fds()`` (exactly once, sent or not)."""
+
+    consumer_id: int
+    welcome: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+@dataclass
 class Tier:
     backend: Backend
     allocator: SlabAllocator
@@ -70,6 +96,7 @@ class FeaturePool:
         policy: Policy = "fallback",
         wait_s: float = 0.5,
         inline_max_bytes: int = 256 << 20,
+        quarantine_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not backends and policy != "fallback":
@@ -92,7 +119,16 @@ class FeaturePool:
         self.wait_s = wait_s
         self.inline_max_bytes = inline_max_bytes
         self.inline_bytes = 0
+        self.quarantine_s = quarantine_s
         self.clock = clock
+        # Attached consumers' ack blocks, by consumer id (``attach_consumer``).
+        self._consumers: dict[int, AckBlock] = {}
+        self._next_consumer = 1
+        # Quarantine: leases that ended while a consumer had them open keep their slot and
+        # extent. Per slot: the generation held (0: none) and since when (monotonic).
+        self._held: dict[int, Lease] = {}
+        self._held_gen = np.zeros(max_leases, dtype=np.uint32)
+        self._held_since = np.zeros(max_leases, dtype=np.float64)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         self._reaper: threading.Thread | None = None
@@ -104,6 +140,7 @@ class FeaturePool:
         self.expired: Counter[str] = Counter()  # by tier
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
         self.alloc_failures: Counter[str] = Counter()  # by tier
+        self.quarantine: Counter[str] = Counter()  # by outcome: held, released, timed_out
         self.consumers_attached = 0  # kept by the hand-off server
         self.remote_consumers_attached = 0  # of those, on other nodes (kept by the TCP server)
 
@@ -237,7 +274,7 @@ class FeaturePool:
         deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
         with self._lock:
             reaped = False
-            if len(self.leases) >= self.leases.max_slots:  # acked slots may be waiting
+            if len(self.leases) + len(self._held) >= self.leases.max_slots:  # acks may wait
                 self._reap_locked(self._remote_acks())
                 reaped = True
             while True:
@@ -332,17 +369,16 @@ class FeaturePool:
             return self._end(self._live(lease_id), reason="delete")
 
     def _live(self, lease_id: str) -> Lease:
-        """The lease, if it is live now: one past its deadline is expired on the spot (the
-        reaper may not have run yet) and raises LeaseExpired."""
+        """The lease, if it is live now: one acked by its consumers, or past its deadline, is
+        ended on the spot (the reaper may not have run yet) and raises LeaseReleased or
+        LeaseExpired."""
         lease = self.leases.get(lease_id)
-        if lease.state is LeaseState.READY and self.ctrl.ack(lease.slot) == lease.generation:
-            self._end(lease, reason="ack")  # acked, the reaper has not run yet
+        ready = lease.state is LeaseState.READY and lease.extent is not None
+        if ready and self._acked(np.array([lease.slot]))[0]:
+            self._end(lease, reason="ack")
             self.leases.get(lease_id)  # raises LeaseReleased
         if lease.deadline <= self.clock():
-            self.leases.expire(lease.id)
-            self._free_storage(lease)
-            self.expired[lease.tier] += 1
-            self._freed.notify_all()
+            self._end_many([lease], LeaseState.EXPIRED)
             self.leases.get(lease_id)  # raises LeaseExpired
         return lease
 
@@ -434,39 +470,178 @@ class FeaturePool:
         return remote
 
     def _reap_locked(self, remote_acks: Sequence[np.ndarray] = ()) -> int:
-        slots = self.ctrl.slots
-        gen = slots["gen"]
-        acked = slots["ack"] == gen
-        for acks in remote_acks:
-            acked |= acks == gen
-        ended = 0
-        for slot in np.flatnonzero(acked & (gen != 0)).tolist():
+        acked = self._acked(slice(None), remote_acks)
+        by_ack = []
+        for slot in np.flatnonzero(acked).tolist():
             lease = self.leases.by_slot(slot)
             if lease is not None and lease.state is LeaseState.READY:
-                self._end(lease, reason="ack")
-                ended += 1
-        for lease in self.leases.expire_due():
-            self._free_storage(lease)
-            self.expired[lease.tier] += 1
-            ended += 1
-        if ended:
-            self._freed.notify_all()
+                by_ack.append(lease)
+        ended = self._end_many(by_ack, LeaseState.RELEASED, reason="ack")
+        ended += self._end_many(self.leases.due(), LeaseState.EXPIRED)
+        self._release_held()
         return ended
 
+    def _acked(self, idx: np.ndarray | slice, remote_acks: Sequence[np.ndarray] = ()) -> np.ndarray:
+        """For the slots ``idx``: is the live lease there done? True when some ack word (the
+        producer's own, a remote consumer's, or an attached consumer's) holds its generation
+        and no attached consumer that marked it opened has yet acked it. Vectorised: one numpy
+        pass per ack block, none per lease."""
+        gen = self.ctrl.slots["gen"][idx]
+        acked = self.ctrl.slots["ack"][idx] == gen
+        for acks in remote_acks:
+            acked |= acks[idx] == gen
+        pending = np.zeros(gen.shape, dtype=bool)
+        for block in self._consumers.values():
+            opened, ack = block.opened[idx], block.acks[idx]
+            acked |= ack == gen
+            pending |= (opened == gen) & (ack != gen)
+        return acked & ~pending & (gen != 0)  # type: ignore[no-any-return]
+
+    def _openers(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """For each (slot, generation): has an attached consumer opened it and not acked it?"""
+        pending = np.zeros(slots.shape, dtype=bool)
+        for block in self._consumers.values():
+            pending |= (block.opened[slots] == gens) & (block.acks[slots] != gens)
+        return pending
+
     def _end(self, lease: Lease, reason: str | None) -> Lease:
-        self.leases.release(lease.id)
-        self._free_storage(lease)
-        if reason is not None:
-            self.released[reason] += 1
-        self._freed.notify_all()
+        self._end_many([lease], LeaseState.RELEASED, reason=reason)
         return lease
 
+    def _end_many(
+        self, leases: Sequence[Lease], state: LeaseState, reason: str | None = None
+    ) -> int:
+        """End live leases (released by ``reason``, or expired). Each slot's ``gen`` word is
+        cleared first, then, after a full fence, the consumers' ``opened`` marks are read: a
+        consumer marks ``opened`` and then reads ``gen``, so one of the two sees the other
+        (docs/protocol.md 6). A lease still open in some consumer is quarantined."""
+        if not leases:
+            return 0
+        slots = np.fromiter((lease.slot for lease in leases), dtype=np.intp, count=len(leases))
+        gens = np.fromiter(
+            (lease.generation for lease in leases), dtype=np.uint32, count=len(leases)
+        )
+        self.ctrl.slots["gen"][slots] = 0  # consumers holding these leases now see them gone
+        full_fence()
+        keep = self._openers(slots, gens).tolist() if self._consumers else [False] * len(leases)
+        now = self.clock()
+        for lease, opened in zip(leases, keep, strict=True):
+            held = opened and lease.extent is not None
+            self.leases.end(lease, state, keep_slot=held)
+            if held:
+                self._held[lease.slot] = lease
+                self._held_gen[lease.slot] = lease.generation
+                self._held_since[lease.slot] = now
+                self.quarantine["held"] += 1
+            else:
+                self._free_storage(lease)
+            if state is LeaseState.EXPIRED:
+                self.expired[lease.tier] += 1
+            elif reason is not None:
+                self.released[reason] += 1
+        self._freed.notify_all()
+        return len(leases)
+
+    def _release_held(self) -> int:
+        """Free quarantined leases whose openers have all acked or detached, and those held
+        longer than ``quarantine_s``."""
+        if not self._held:
+            return 0
+        held = self._held_gen
+        pending = np.zeros(held.shape, dtype=bool)
+        for block in self._consumers.values():
+            pending |= (block.opened == held) & (block.acks != held)
+        timed_out = self._held_since + self.quarantine_s <= self.clock()
+        done = (held != 0) & (~pending | timed_out)
+        freed = 0
+        for slot in np.flatnonzero(done).tolist():
+            lease = self._held.pop(slot)
+            self.quarantine["timed_out" if timed_out[slot] and pending[slot] else "released"] += 1
+            if timed_out[slot] and pending[slot]:
+                log.warning(
+                    "lease %s: a consumer held it open %.0f s past its end; its memory is reused",
+                    lease.id,
+                    self.quarantine_s,
+                )
+            held[slot] = 0
+            self._free_storage(lease)
+            self.leases.free_slot(slot)
+            freed += 1
+        if freed:
+            self._freed.notify_all()
+        return freed
+
     def _free_storage(self, lease: Lease) -> None:
-        self.ctrl.set_gen(lease.slot, 0)  # consumers holding this lease now see it is gone
+        if self.leases.by_slot(lease.slot) is None:
+            self.ctrl.set_gen(lease.slot, 0)  # (already 0 unless the slot was taken again)
         if lease.extent is not None:
             self.tier(lease.tier).allocator.free(lease.extent)
         else:
             self.inline_bytes -= lease.nbytes
+
+    # ---- consumers -------------------------------------------------------------------------
+
+    def attach_consumer(self, peer: str = "") -> Attachment:
+        """A consumer was admitted (the hand-off server authenticated it): make its ack block
+        and the ``welcome`` with its FDs (docs/protocol.md 2). ``peer`` is for the log."""
+        if self.closed:
+            raise PoolError("the pool is closed")
+        block = AckBlock.create(self.ctrl.nslots)
+        fds: list[int] = []
+        try:
+            fds.append(reopen_read_only(self.ctrl.fd))
+            fds.append(os.dup(block.fd))
+            slabs: list[dict[str, Any]] = []
+            welcome_extra: dict[str, Any] = {}
+            for tier in self.tiers:
+                tier_fds = tier.backend.consumer_fds()
+                fds.extend(tier_fds)
+                for i, size in enumerate(tier.backend.slab_sizes):
+                    slabs.append(
+                        {
+                            "tier": tier.name,
+                            "transport": tier.backend.transport,
+                            "index": i,
+                            "size": size,
+                        }
+                    )
+                info = getattr(tier.backend, "welcome_info", None)
+                if info is not None:
+                    welcome_extra.update(info())
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            block.close()
+            raise
+        with self._lock:
+            cid = self._next_consumer
+            self._next_consumer += 1
+            self._consumers[cid] = block
+        welcome: dict[str, Any] = {
+            "op": "welcome",
+            "version": PROTOCOL_VERSION,
+            "epoch": epoch_hex(self.epoch),
+            "consumer_id": cid,
+            "nslots": self.ctrl.nslots,
+            "control_size": self.ctrl.size,
+            "ack_size": block.size,
+            "slabs": slabs,
+            **welcome_extra,
+        }
+        log.info("consumer %d attached (%s)", cid, peer or "unnamed peer")
+        return Attachment(cid, welcome, fds)
+
+    def detach_consumer(self, consumer_id: int) -> None:
+        """The consumer's connection ended: its ack block goes, and what only it held open
+        is freed. Unknown ids are ignored (detach is called on every exit path)."""
+        with self._lock:
+            if consumer_id not in self._consumers:
+                return
+            self._reap_locked()  # its last acks count (it may ack and hang up at once)
+            block = self._consumers.pop(consumer_id)
+            block.close()
+            self._release_held()
+        log.info("consumer %d detached", consumer_id)
 
     def start_reaper(self, interval_s: float = 0.05) -> None:
         def run() -> None:
@@ -512,6 +687,10 @@ class FeaturePool:
                 "expired": dict(self.expired),
                 "fallbacks": dict(self.fallbacks),
                 "alloc_failures": dict(self.alloc_failures),
+                "quarantine": dict(self.quarantine),
+                "quarantined_leases": len(self._held),
+                "quarantined_bytes": sum(lease.nbytes for lease in self._held.values()),
+                "consumer_ack_blocks": len(self._consumers),
                 "consumers_attached": self.consumers_attached,
                 "remote_consumers_attached": self.remote_consumers_attached,
             }
@@ -523,6 +702,11 @@ class FeaturePool:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
+        with self._lock:
+            blocks = list(self._consumers.values())
+            self._consumers.clear()
+        for block in blocks:
+            block.close()
         for t in self.tiers:
             t.backend.close()
         self.ctrl.close()

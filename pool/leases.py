@@ -157,19 +157,34 @@ class LeaseTable:
 
     def expire_due(self) -> list[Lease]:
         """End every lease whose deadline has passed; returns them (their extents to free)."""
+        return [self._end(lease, LeaseState.EXPIRED) for lease in self.due()]
+
+    def due(self) -> list[Lease]:
+        """The live leases whose deadline has passed (not ended yet)."""
         now = self.clock()
-        due = [lease for lease in self._active.values() if lease.deadline <= now]
-        return [self._end(lease, LeaseState.EXPIRED) for lease in due]
+        return [lease for lease in self._active.values() if lease.deadline <= now]
+
+    def end(self, lease: Lease, state: LeaseState, *, keep_slot: bool = False) -> Lease:
+        """End a live lease as released or expired. ``keep_slot``: the slot is not reused until
+        ``free_slot`` (its memory is quarantined: a consumer that opened it may still read)."""
+        return self._end(self.get(lease.id), state, keep_slot=keep_slot)
+
+    def free_slot(self, slot: int) -> None:
+        """Return a slot kept by ``end(..., keep_slot=True)`` to the free list."""
+        if slot in self._by_slot or slot in self._free_slots:
+            raise ValueError(f"slot {slot} is not held")
+        self._free_slots[slot] = None
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self._active.values()), default=None)
 
-    def _end(self, lease: Lease, state: LeaseState) -> Lease:
+    def _end(self, lease: Lease, state: LeaseState, *, keep_slot: bool = False) -> Lease:
         lease.state = state
         lease.inline = None
         del self._active[lease.id]
         del self._by_slot[lease.slot]
-        self._free_slots[lease.slot] = None
+        if not keep_slot:
+            self._free_slots[lease.slot] = None
         self._ended[lease.id] = state
         while len(self._ended) > self._remember_ended:
             self._ended.popitem(last=False)

@@ -15,7 +15,7 @@ from typing import Any
 
 from pool.errors import HandoffError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20  # a message is a small JSON object; anything larger is an attack or a bug
 MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
 _LEN = struct.Struct(">I")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pool.errors import HandoffError, PoolError
-from pool.featurepool import FeaturePool, epoch_hex
+from pool.featurepool import Attachment, FeaturePool, epoch_hex
 from pool.protocol import PROTOCOL_VERSION, peer_credentials, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class HandoffServer:
 
     def _serve(self, conn: socket.socket) -> None:
         attached = False
+        attachment: Attachment | None = None
         with self._lock:
             self._conns.add(conn)
         try:
@@ -165,11 +166,14 @@ class HandoffServer:
                 log.warning("hand-off peer %s: bad token", peer)
                 send_msg(conn, _error("peer_rejected", "bad or missing token"))
                 return
-            welcome, fds = self._welcome()
+            attachment = self._welcome(peer)
             with self._lock:  # counted before the welcome, so a client that has it is counted
                 self._count(+1)
             attached = True
-            send_msg(conn, welcome, fds)
+            try:
+                send_msg(conn, attachment.welcome, attachment.fds)
+            finally:
+                attachment.close_fds()  # the kernel made the consumer's copies: ours go
             log.info("consumer %s attached", peer)
             while True:
                 msg, _ = recv_msg(conn)
@@ -187,6 +191,8 @@ class HandoffServer:
         except Exception:  # a bug must end this connection only, and say so in the log
             log.exception("hand-off connection failed")
         finally:
+            if attachment is not None and attachment.consumer_id:
+                self.pool.detach_consumer(attachment.consumer_id)
             if attached:
                 with self._lock:
                     self._count(-1)
@@ -206,33 +212,13 @@ class HandoffServer:
     def _count(self, delta: int) -> None:
         self.pool.consumers_attached += delta
 
-    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
-        slabs: list[dict[str, Any]] = []
-        fds = [self.pool.ctrl.fd]
-        for tier in self.pool.tiers:
-            for i, (fd, size) in enumerate(
-                zip(tier.backend.slab_fds(), tier.backend.slab_sizes, strict=True)
-            ):
-                slabs.append(
-                    {
-                        "tier": tier.name,
-                        "transport": tier.backend.transport,
-                        "index": i,
-                        "size": size,
-                    }
-                )
-                fds.append(fd)
-        msg: dict[str, Any] = {
-            "op": "welcome",
-            "version": PROTOCOL_VERSION,
-            "epoch": epoch_hex(self.pool.epoch),
-            "nslots": self.pool.ctrl.nslots,
-            "control_size": self.pool.ctrl.size,
-            "slabs": slabs,
-        }
+    def _welcome(self, peer: str) -> Attachment:
+        """The pool's attachment for this consumer (its own ack block, read-only FDs of the
+        control block and host slabs), plus ``extra_welcome``."""
+        attachment = self.pool.attach_consumer(peer)
         if self.extra_welcome is not None:
-            msg.update(self.extra_welcome())
-        return msg, fds
+            attachment.welcome.update(self.extra_welcome())
+        return attachment
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg["op"]
@@ -297,7 +283,7 @@ class FabricHandoffServer(HandoffServer):
         self.pool.consumers_attached += delta
         self.pool.remote_consumers_attached += delta
 
-    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
+    def _welcome(self, peer: str) -> Attachment:
         assert self.extra_welcome is not None
         msg: dict[str, Any] = {
             "op": "welcome",
@@ -306,7 +292,7 @@ class FabricHandoffServer(HandoffServer):
             "remote": True,
             **self.extra_welcome(),
         }
-        return msg, []
+        return Attachment(0, msg)
 
     def _cleanup(self) -> None:
         pass

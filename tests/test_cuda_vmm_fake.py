@@ -13,8 +13,10 @@ import ctypes
 import os
 import threading
 import types
+import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -71,6 +73,7 @@ class FakeDriver:
         self.vas: dict[int, int] = {}  # reserved ptr -> size
         self.maps: dict[int, tuple[FakeHandle, bool | None]] = {}  # ptr -> (handle, read_only)
         self.registered: dict[int, int] = {}  # host addr -> size
+        self.read_only_host: set[int] = set()  # registered with CU_MEMHOSTREGISTER_READ_ONLY
         self.by_inode: dict[int, FakeHandle] = {}
         self.retained = 0
         self._next_va = 0x7F00_0000_0000
@@ -178,13 +181,16 @@ class FakeDriver:
             return h
         raise CudaError("cuMemImportFromShareableHandle(FABRIC)", 1, "CUDA_ERROR_INVALID_VALUE")
 
-    def host_register(self, addr: int, size: int) -> None:
-        self._call("host_register", addr, size)
+    def host_register(self, addr: int, size: int, *, read_only: bool = False) -> None:
+        self._call("host_register", addr, size, read_only)
         self.registered[addr] = size
+        if read_only:
+            self.read_only_host.add(addr)
 
     def host_unregister(self, addr: int) -> None:
         self._call("host_unregister", addr)
         del self.registered[addr]
+        self.read_only_host.discard(addr)
 
     def host_device_pointer(self, addr: int) -> int:
         self._call("host_device_pointer", addr)
@@ -216,7 +222,11 @@ class FakeDriver:
         self._call("stream_write_value32", stream, addr, value)
         for hook in self.on_write:
             hook()
-        ctypes.c_uint32.from_address(self._host(addr)).value = value
+        host = self._host(addr)
+        for a, size in self.registered.items():
+            if a <= host < a + size and a in self.read_only_host:  # the device refuses it
+                raise CudaError("cuStreamWriteValue32", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        ctypes.c_uint32.from_address(host).value = value
 
     def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None:
         self._call("stream_wait_value32_geq", stream, addr, value)
@@ -238,9 +248,12 @@ class FakeRuntime:
     def current_stream(self) -> int:
         return self.stream
 
-    def tensor_at(self, ptr: int, nbytes: int) -> torch.Tensor:
+    def tensor_at(self, ptr: int, nbytes: int, on_free: Any = None) -> torch.Tensor:
         handle, _ = self.driver.maps[ptr]
-        return torch.frombuffer(handle.mem, dtype=torch.uint8, count=nbytes)
+        arr = np.frombuffer(handle.mem, dtype=np.uint8, count=nbytes)
+        if on_free is not None:  # torch holds ``arr`` as long as the storage, like the real one
+            weakref.finalize(arr, on_free)
+        return torch.from_numpy(arr)
 
     def synchronize(self) -> None:
         self.driver.calls.append(("synchronize",))
@@ -559,14 +572,25 @@ def test_consumer_maps_read_only_waits_and_acks(
             assert wait[0] == "stream_wait_value32_geq"
             assert wait[3] == lease.generation
             assert torch.equal(out, t)
+            # The control block is registered read-only (its streams only wait on it); the
+            # consumer's own ack block read-write, and the ack lands there.
+            regs = {c[1]: c[3] for c in drv.calls if c[0] == "host_register"}
+            assert client._ctrl is not None and client._acks is not None
+            assert regs[client._ctrl.address] is True and regs[client._acks.address] is False
             client.release(desc)
             assert drv.calls[-1][0] == "stream_write_value32"
+            assert client._acks.acks[lease.slot] == lease.generation
             assert pool.reap() == 1
             assert pool.stats()["tiers"][0]["used_bytes"] == 0
             with pytest.raises(StaleLease):
                 client.open(desc)
         names = drv.names()
         assert names.index("host_unregister") > len(names) - 8  # consumer close unregistered
+        # ``out`` still views its slab: the mapping stays, reading it reads the old bytes.
+        assert len([p for p, (h, ro) in drv.maps.items() if ro is True]) == 1
+        assert torch.equal(out, t)
+        del out  # the last view: now that slab is unmapped and the device released
+        assert [p for p, (h, ro) in drv.maps.items() if ro is True] == []
     finally:
         server.close()
         pool.close()
@@ -713,6 +737,7 @@ def test_remote_consumer_maps_through_fabric_waits_and_acks_in_gpu_memory(
             assert pool.stats()["released"] == {"ack": 1}
             assert pool.stats()["tiers"][0]["used_bytes"] == 0
             assert not client.is_current(desc)
+            del out  # its slab stays mapped while it lives
 
             # A stale ack (an older generation in the GPU word) does not end the next lease.
             second = pool.put(t)

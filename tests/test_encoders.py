@@ -242,7 +242,14 @@ def test_hf_tiny_vision_tower_matches_transformers(tmp_path: Path, kind: str, to
     model.save_pretrained(tmp_path)
     mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
     (tmp_path / "preprocessor_config.json").write_text(
-        json.dumps({"image_mean": mean, "image_std": std, "size": {"height": 32, "width": 32}})
+        json.dumps(
+            {
+                "image_mean": mean,
+                "image_std": std,
+                "size": {"height": 32, "width": 32},
+                "crop_size": {"height": 32, "width": 32},  # CLIP's processor crops by default
+            }
+        )
     )
 
     enc = build_encoder(f"hf:{tmp_path}", device=CPU)

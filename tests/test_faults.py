@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from app.encoders import build_encoder
+from app.engine_client import ImageIn
 from app.main import create_app
 from pool.client import FeatureClient
 from pool.errors import PoolRestarted
@@ -136,7 +137,9 @@ def test_requests_cancelled_while_queued_or_encoding_leak_nothing(tmp_path: Path
     async def scenario() -> tuple[list[Any], dict[str, Any]]:
         await engine.start()
         try:
-            tasks = [asyncio.create_task(engine.encode([("i", JPEG)], None)) for _ in range(8)]
+            tasks = [
+                asyncio.create_task(engine.encode([ImageIn("i", JPEG)], None)) for _ in range(8)
+            ]
             assert await asyncio.to_thread(slow.started.wait, 10)  # the first batch is encoding
             await asyncio.sleep(0.05)
             for t in tasks[1:]:  # tasks[0]'s batch runs; [1] may share it; the rest are queued

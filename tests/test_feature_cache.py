@@ -58,6 +58,7 @@ def test_hash_is_sha256_of_identity_and_bytes(make_client: Callable[..., TestCli
         "mean": list(enc.mean),
         "std": list(enc.std),
         "output_shape": list(enc.output_shape),
+        "preprocess": "",  # the tiny encoder has no processor configuration of its own
         "encoder_dtype": "float32",
         "dtype": "float32",
         "pooled": False,

@@ -39,7 +39,7 @@ from app.main import create_app
 from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
 from pool.featurepool import FeaturePool
-from pool.protocol import MAX_FRAME, recv_msg, send_msg
+from pool.protocol import MAX_FRAME, PROTOCOL_VERSION, recv_msg, send_msg
 from pool.server import HandoffServer
 from tests.conftest import image_bytes
 from tests.helpers import Live, live_server, small_settings, wait_until
@@ -182,7 +182,7 @@ def connect(path: Path) -> socket.socket:
 
 
 def hello(s: socket.socket) -> None:
-    send_msg(s, {"op": "hello", "version": 1, "token": "t0k3n"})
+    send_msg(s, {"op": "hello", "version": PROTOCOL_VERSION, "token": "t0k3n"})
     msg, fds = recv_msg(s, want_fds=True)
     for fd in fds:
         os.close(fd)
@@ -273,7 +273,7 @@ def test_non_ascii_token_is_refused_not_crashed(
 ) -> None:
     _, server = handoff
     s = connect(server.path)
-    send_msg(s, {"op": "hello", "version": 1, "token": "t0k3né"})
+    send_msg(s, {"op": "hello", "version": PROTOCOL_VERSION, "token": "t0k3né"})
     reply, _ = recv_msg(s)
     s.close()
     assert reply["type"] == "peer_rejected"
@@ -407,7 +407,7 @@ def test_socket_token_variants_are_refused(handoff: tuple[FeaturePool, HandoffSe
             FeatureClient.connect(server.path, token=token)
     for token in (["t0k3n"], 123, {"t": "t0k3n"}):  # not even a string
         s = connect(server.path)
-        send_msg(s, {"op": "hello", "version": 1, "token": token})
+        send_msg(s, {"op": "hello", "version": PROTOCOL_VERSION, "token": token})
         reply, fds = recv_msg(s, want_fds=True)
         s.close()
         assert reply["type"] == "peer_rejected" and fds == []

@@ -17,7 +17,7 @@ from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
 from pool.errors import HandoffError, PeerRejected, PoolRestarted, StaleLease
 from pool.featurepool import FeaturePool
-from pool.protocol import recv_msg, send_msg
+from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
 from pool.server import HandoffServer
 
 MiB = 1 << 20
@@ -194,7 +194,7 @@ def test_malformed_messages_never_kill_the_server(
     # After a hello, unknown ops and bad arguments get errors and the connection lives on.
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(server.path))
-    send_msg(s, {"op": "hello", "version": 1})
+    send_msg(s, {"op": "hello", "version": PROTOCOL_VERSION})
     _, fds = recv_msg(s, want_fds=True)
     for fd in fds:
         os.close(fd)

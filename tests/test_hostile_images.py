@@ -317,9 +317,11 @@ def test_malformed_multipart(
 
 
 def test_rejections_are_counted_as_rejected_images(client: TestClient) -> None:
+    """A header that cannot be read is refused at the entrance, before the engine."""
+
     def rejected() -> float:
         for line in client.get("/metrics").text.splitlines():
-            if line.startswith('featpool_images_total{outcome="rejected"}'):
+            if line.startswith('featpool_admission_images_total{outcome="invalid"}'):
                 return float(line.split()[-1])
         return 0.0
 

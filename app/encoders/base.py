@@ -9,6 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from app.preprocess import ImageSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +63,9 @@ class ModuleEncoder:
     device: torch.device
     module: nn.Module
     _forward: Callable[[torch.Tensor], torch.Tensor]
+    # The model's own preprocessing (app.preprocess), which the engine then applies instead of
+    # its default (centre square, bicubic resize to image_size, normalise with mean/std).
+    preprocess_spec: ImageSpec | None = None
     # batch size -> (graph, static input, static output); None: run eagerly
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] | None = None
     _graph_pool: Any = None  # the memory pool the captured graphs share

@@ -1,4 +1,5 @@
-"""Hugging Face vision towers (SigLIP, CLIP, ...) loaded from a local directory.
+"""Hugging Face vision towers (SigLIP, CLIP, ...) from a local directory or the local Hugging Face
+cache (`hf:google/siglip-base-patch16-224`), preprocessed as their own image processor says.
 
 `transformers` is the optional extra `hf`; it is imported only when such an encoder is built.
 Nothing is downloaded: every load passes `local_files_only=True`.
@@ -7,7 +8,6 @@ Nothing is downloaded: every load passes `local_files_only=True`.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from app.encoders.base import ModuleEncoder, default_dtype, resolve_device
+from app.preprocess import ImageSpec
 
 log = logging.getLogger(__name__)
 
 # model_type -> (vision tower class, default mean, default std). A full SigLIP/CLIP checkpoint
-# (vision + text) loads its vision tower through the same class.
+# (vision + text) loads its vision tower through the same class. _PROCESSORS: the image
+# processor class of a tower-only checkpoint whose preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _HALF = (0.5, 0.5, 0.5)
@@ -30,6 +32,9 @@ _TOWERS: dict[str, tuple[str, tuple[float, float, float], tuple[float, float, fl
     "clip": ("CLIPVisionModel", _CLIP_MEAN, _CLIP_STD),
     "clip_vision_model": ("CLIPVisionModel", _CLIP_MEAN, _CLIP_STD),
 }
+
+
+_PROCESSORS = {"siglip": "SiglipImageProcessor", "clip": "CLIPImageProcessor"}
 
 
 def _import_transformers() -> ModuleType:
@@ -50,31 +55,55 @@ def _triple(value: Any, what: str) -> tuple[float, float, float]:
     return float(value[0]), float(value[1]), float(value[2])
 
 
-def _preprocessor_size(pre: dict[str, Any]) -> int | None:
-    for key in ("crop_size", "size"):
-        v = pre.get(key)
-        if isinstance(v, int):
-            return v
-        if isinstance(v, dict):
-            if "height" in v and v.get("width", v["height"]) == v["height"]:
-                return int(v["height"])
-            if "shortest_edge" in v:
-                return int(v["shortest_edge"])
-    return None
+def hub_cache() -> str:
+    """The Hugging Face hub cache huggingface_hub reads (HF_HUB_CACHE, else HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def resolve_model(ref: str) -> Path:
+    """``ref`` as people type it -> a local model directory: a directory path, or a Hugging Face
+    repo id (``org/name``, optionally ``@revision``) already in the local cache. Nothing is
+    downloaded; a model that is in neither place is a ValueError naming where it looked."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    repo, _, revision = ref.partition("@")
+    pathlike = ref.startswith(("/", ".", "~")) or repo.count("/") > 1
+    if pathlike or not repo:
+        raise ValueError(f"hf encoder: {ref} is not a local model directory; nothing is downloaded")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError) as e:
+        raise ValueError(
+            f"hf encoder: {ref!r} is not a local directory ({path.resolve()}) and not in the "
+            f"Hugging Face cache {hub_cache()} (set by HF_HUB_CACHE or HF_HOME): {e}. Nothing is "
+            f"downloaded at run time; fetch it first, e.g. `hf download {repo}`"
+        ) from None
 
 
 class HFVisionEncoder(ModuleEncoder):
-    """A local Hugging Face vision tower; its output is `last_hidden_state`."""
+    """A Hugging Face vision tower; its output is `last_hidden_state`.
+
+    `model` is a local directory or a repo id in the local Hugging Face cache. With a
+    `preprocessor_config.json`, `preprocess_spec` is that processor's preprocessing (the engine
+    applies it); without one, featpool's default (centre square, bicubic) and the tower type's
+    usual mean and std.
+    """
 
     def __init__(
         self,
-        directory: Path | str,
+        model: Path | str,
         *,
         device: torch.device | str,
         dtype: torch.dtype | None = None,
         compile: bool = False,
     ) -> None:
-        directory = Path(directory)
+        directory = resolve_model(str(model))
         if not (directory / "config.json").is_file():
             raise ValueError(
                 f"hf encoder: {directory} is not a local model directory "
@@ -85,20 +114,20 @@ class HFVisionEncoder(ModuleEncoder):
         if self.device.type == "meta":
             raise ValueError("hf encoders cannot be built on the meta device")
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
-        self.name = f"hf:{directory}"
+        self.name = f"hf:{model}"
 
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         model_type = str(config.model_type)
         vision_config = getattr(config, "vision_config", None) or config
         if model_type in _TOWERS:
             cls_name, mean, std = _TOWERS[model_type]
-            model = getattr(transformers, cls_name).from_pretrained(
+            tower = getattr(transformers, cls_name).from_pretrained(
                 directory, local_files_only=True
             )
         else:
             mean, std = _HALF, _HALF
-            model = transformers.AutoModel.from_pretrained(directory, local_files_only=True)
-            model = getattr(model, "vision_model", model)
+            tower = transformers.AutoModel.from_pretrained(directory, local_files_only=True)
+            tower = getattr(tower, "vision_model", tower)
             log.warning(
                 "hf encoder %s: model type %r is not a known vision tower; using "
                 "AutoModel and its last_hidden_state",
@@ -106,34 +135,52 @@ class HFVisionEncoder(ModuleEncoder):
                 model_type,
             )
 
-        pre_path = directory / "preprocessor_config.json"
-        pre: dict[str, Any] = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
-        self.mean = _triple(pre.get("image_mean", mean), "image_mean")
-        self.std = _triple(pre.get("image_std", std), "image_std")
-        # The position embeddings fix the model's size; the preprocessor only fills a gap.
+        # The position embeddings fix the model's input size.
         size = getattr(vision_config, "image_size", None)
-        pre_size = _preprocessor_size(pre)
         if isinstance(size, (list, tuple)):
             size = size[0] if size[0] == size[-1] else None
-        if size is None:
-            size = pre_size
-        elif pre_size is not None and pre_size != size:
-            log.warning(
-                "hf encoder %s: preprocessor size %s differs from the model's %s; "
-                "using the model's",
-                directory,
-                pre_size,
-                size,
+        spec = ImageSpec.from_pretrained(
+            directory, fallback=_PROCESSORS.get(model_type.removesuffix("_vision_model"))
+        )
+        if spec is not None:
+            out = spec.fixed_size()
+            if out is None or out[0] != out[1]:
+                raise ValueError(
+                    f"hf encoder {model}: {spec.source} gives images of size "
+                    f"{'that follows the input' if out is None else f'{out[0]}x{out[1]}'}; "
+                    "featpool serves fixed-size square towers"
+                )
+            if size is not None and out[0] != size:
+                raise ValueError(
+                    f"hf encoder {model}: {spec.source} gives {out[0]}x{out[1]} images but the "
+                    f"model takes {size}x{size} (config.json image_size)"
+                )
+            size = out[0]
+            mean = _triple(spec.mean or 0.0, "image_mean")
+            std = _triple(spec.std or 1.0, "image_std")
+            log.info(
+                "hf encoder %s: preprocessing from %s: %s", model, spec.source, spec.describe()
+            )
+        else:
+            log.info(
+                "hf encoder %s: no preprocessor_config.json; featpool's default preprocessing "
+                "(centre square, bicubic, mean %s, std %s)",
+                model,
+                mean,
+                std,
             )
         if not isinstance(size, int):
             raise ValueError(
-                f"hf encoder {directory}: cannot tell the square input size from "
+                f"hf encoder {model}: cannot tell the square input size from "
                 "config.json or preprocessor_config.json"
             )
+        self.preprocess_spec = spec
+        self.mean = _triple(mean, "image_mean")
+        self.std = _triple(std, "image_std")
         self.image_size = size
 
-        model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.module = model
+        tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.module = tower
         self._forward = self._last_hidden_state
         # One probe forward tells the token count of any tower (CLS or not, pooling or not).
         with torch.inference_mode():
@@ -142,7 +189,7 @@ class HFVisionEncoder(ModuleEncoder):
             )
         if probe.dim() != 3:
             raise ValueError(
-                f"hf encoder {directory}: last_hidden_state has shape "
+                f"hf encoder {model}: last_hidden_state has shape "
                 f"{list(probe.shape)}, expected [B, tokens, dim]"
             )
         self.output_shape = (int(probe.shape[1]), int(probe.shape[2]))

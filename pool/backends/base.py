@@ -28,7 +28,11 @@ class Backend(Protocol):
         """A producer-side tensor over the extent (used to serve the bytes over HTTP)."""
 
     def slab_fds(self) -> list[int]:
-        """One shareable FD per slab, owned by the backend (the socket server dups them)."""
+        """One shareable FD per slab, owned by the backend."""
+
+    def consumer_fds(self) -> list[int]:
+        """New FDs of the slabs for one consumer, owned by the caller: read-only where the tier
+        allows it (host_shm); a VMM POSIX FD cannot be made read-only (docs/security.md)."""
 
     def close(self) -> None:
         """Release the slabs. Safe to call twice."""

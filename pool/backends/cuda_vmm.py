@@ -5,11 +5,17 @@ Producer: ``CudaVmmBackend.create(...)``. ``publish`` copies into a slice of a s
 current torch stream, then writes the slot's ready word with cuStreamWriteValue32 on the same
 stream; the host never waits. Consumer: ``CudaConsumer`` (used by ``pool.client``) imports the
 slab FDs, maps them read-only, waits on ready words with cuStreamWaitValue32 (GEQ) and writes
-ack words with cuStreamWriteValue32, on the consumer's current stream.
+its own ack words with cuStreamWriteValue32, on the consumer's current stream.
 
-Control words: the control block is a memfd in host memory. Each process registers it with
-cuMemHostRegister (DEVICEMAP | PORTABLE), so GPU streams of every process write and wait on the
-same words and the producer's reaper reads acks with plain host loads.
+Control words: the control block is a memfd in host memory. The producer registers it with
+cuMemHostRegister (DEVICEMAP | PORTABLE) so its streams write ready words; a consumer maps it
+read-only and registers it READ_ONLY (its streams only wait on it), and registers its own ack
+block (``pool.control.AckBlock``) read-write for its stream-ordered acks. The producer's reaper
+reads every ack word with plain host loads.
+
+A VMM allocation has no read-only export: whoever imports a slab's POSIX FD may map it
+read-write. Consumers here map read-only; on this tier the hand-off socket's peer check is the
+trust boundary (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import base64
 import logging
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,7 +39,15 @@ from pool.backends.vmm import (
     round_up,
     unmap_allocation,
 )
-from pool.control import ACK_OFFSET, HEADER_SIZE, READY_OFFSET, SLOT_STRIDE, ControlBlock
+from pool.control import (
+    ACK_OFFSET,
+    ACK_STRIDE,
+    HEADER_SIZE,
+    READY_OFFSET,
+    SLOT_STRIDE,
+    AckBlock,
+    ControlBlock,
+)
 from pool.driver import Driver, DriverAPI, HandleType, is_not_permitted
 from pool.errors import CudaError, CudaUnavailable, HandoffError, InvalidTensor
 
@@ -77,9 +92,16 @@ class TorchCuda:
             return int(self._raw_stream(self.index))
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def tensor_at(self, ptr: int, nbytes: int) -> torch.Tensor:
-        """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (zero-copy)."""
-        return torch.as_tensor(DevicePointer(ptr, nbytes), device=self.device)
+    def tensor_at(
+        self, ptr: int, nbytes: int, on_free: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (zero-copy).
+        ``on_free`` runs once the last tensor viewing this memory is gone: torch keeps the
+        ``__cuda_array_interface__`` object alive as long as the storage."""
+        owner = DevicePointer(ptr, nbytes)
+        if on_free is not None:
+            weakref.finalize(owner, on_free).atexit = False
+        return torch.as_tensor(owner, device=self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -114,10 +136,14 @@ class FabricStatus:
     reason: str  # why not (empty when available)
 
 
-def register_control(driver: DriverAPI, ctrl: ControlBlock) -> int:
-    """Register the control block as mapped pinned memory in this process; its device
-    pointer, for stream writes and waits on its words."""
-    driver.host_register(ctrl.address, ctrl.size)
+def register_control(
+    driver: DriverAPI, ctrl: ControlBlock | AckBlock, *, read_only: bool = False
+) -> int:
+    """Register a block of control words as mapped pinned memory in this process; its device
+    pointer, for stream writes and waits on its words. ``read_only`` for a mapping this
+    process may not write (a consumer's view of the control block): its streams may only
+    wait on it."""
+    driver.host_register(ctrl.address, ctrl.size, read_only=read_only)
     try:
         return driver.host_device_pointer(ctrl.address)
     except BaseException:
@@ -393,6 +419,20 @@ class CudaVmmBackend:
             self._fds = fds
         return list(self._fds)
 
+    def consumer_fds(self) -> list[int]:
+        """A dup of each slab's POSIX FD for one consumer (the caller owns them). There is no
+        read-only export of a VMM allocation: whoever imports one may map it read-write, so
+        on this tier the socket's peer check is the boundary (docs/security.md)."""
+        fds: list[int] = []
+        try:
+            for fd in self.slab_fds():
+                fds.append(os.dup(fd))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
     def fabric_handles(self) -> list[bytes]:
         """The slabs' 64-byte FABRIC handles, exported once. Only for authenticated peers:
         anyone holding one (and the IMEX channel) can map the slab."""
@@ -451,7 +491,10 @@ class CudaVmmBackend:
 
 
 class _ConsumerSlab:
-    """A slab imported and mapped read-only in a consumer process."""
+    """A slab imported and mapped read-only in a consumer process. ``close`` drops this side's
+    references; the VA range is unmapped once the last tensor viewing it is gone (after a
+    synchronize, for reads still queued), so a view never outlives its memory and a new
+    mapping never lands under a live old view."""
 
     def __init__(self, consumer: CudaConsumer, m: Mapping) -> None:
         self._consumer = consumer
@@ -470,9 +513,9 @@ class _ConsumerSlab:
     def close(self) -> None:
         m, self._m = self._m, None
         if m is not None:
-            self._consumer.rt.synchronize()  # reads still queued must finish before the unmap
-            unmap_allocation(self._consumer.driver, m)
             self._consumer.slabs.discard(self)
+            m.base = None  # the unmap runs when the last view is gone (now, if none is left)
+            m.typed.clear()
 
 
 class CudaConsumer:
@@ -484,12 +527,15 @@ class CudaConsumer:
         cuda_info: dict[str, Any],
         device: torch.device | None,
         *,
+        acks: AckBlock | None = None,
         driver: DriverAPI | None = None,
         rt: Any = None,
     ) -> None:
-        """``ctrl``: the producer's host control block (same node). None for a consumer on
-        another node, which maps the device control words with ``map_remote_control``."""
+        """``ctrl``: the producer's host control block, mapped read-only, and ``acks`` this
+        consumer's own ack block (same node). Both None for a consumer on another node, which
+        maps the device control words with ``map_remote_control``."""
         self.ctrl = ctrl
+        self.acks = acks
         self.info = cuda_info
         self.driver: DriverAPI = driver if driver is not None else Driver()
         self.rt = rt if rt is not None else TorchCuda(_pick_device(device, cuda_info))
@@ -502,14 +548,22 @@ class CudaConsumer:
         self._words = 0
         self._nslots = 0
         self._control: _ConsumerSlab | None = None  # the device control words (remote)
-        if ctrl is not None:
-            try:
-                self._words = register_control(self.driver, ctrl) + HEADER_SIZE
-            except BaseException:
-                self.driver.release_device()
-                raise
-            self._nslots = ctrl.nslots
+        self._ack_words = 0  # device address of our ack block (same node)
+        self._mapped = 0  # VA ranges still mapped (views may outlive close)
         self._closed = False
+        self._registered: list[int] = []
+        try:
+            if ctrl is not None:
+                self._words = register_control(self.driver, ctrl, read_only=True) + HEADER_SIZE
+                self._registered.append(ctrl.address)
+                self._nslots = ctrl.nslots
+            if acks is not None:
+                self._ack_words = register_control(self.driver, acks)
+                self._registered.append(acks.address)
+        except BaseException:
+            self._unregister()
+            self.driver.release_device()
+            raise
 
     def _granularity(self) -> int:
         if self._gran is None:
@@ -526,13 +580,26 @@ class CudaConsumer:
             raise
         m = Mapping(size, handle, ptr)
         slab = _ConsumerSlab(self, m)
+        self._mapped += 1
         try:
-            m.base = self.rt.tensor_at(ptr, size)
+            m.base = self.rt.tensor_at(ptr, size, lambda: self._unmap(m))
         except BaseException:
-            slab.close()
+            self._unmap(m)
             raise
         self.slabs.add(slab)
         return slab
+
+    def _unmap(self, m: Mapping) -> None:
+        """The last view of ``m`` is gone: unmap it once the reads queued on it are done."""
+        try:
+            self.rt.synchronize()
+            unmap_allocation(self.driver, m)
+        except Exception:  # runs from a tensor's deleter: log, never raise there
+            log.exception("unmapping a consumer slab failed")
+        finally:
+            self._mapped -= 1
+            if self._closed and self._mapped == 0:
+                self.driver.release_device()
 
     def map_slab(self, fd: int, size: int) -> _ConsumerSlab:
         """Import a slab's POSIX FD (closed here, imported or not) and map it read-only."""
@@ -576,34 +643,48 @@ class CudaConsumer:
         return self._words + slot * SLOT_STRIDE + offset
 
     def wait_ready(self, slot: int, gen: int) -> None:
-        """Enqueue, on the current stream, a wait until the slot's ready word >= ``gen``."""
+        """Enqueue, on the current stream, a wait until the slot's ready word >= ``gen``
+        (cyclic 32-bit compare)."""
         self.driver.stream_wait_value32_geq(
             self.rt.current_stream(), self._word(slot, READY_OFFSET), gen
         )
 
     def ack(self, slot: int, gen: int) -> None:
-        """Enqueue, on the current stream (after your reads), the write of the ack word."""
-        self.driver.stream_write_value32(
-            self.rt.current_stream(), self._word(slot, ACK_OFFSET), gen
-        )
+        """Enqueue, on the current stream (after your reads), the write of this consumer's ack
+        word: in its own ack block (same node) or the device control words (other node)."""
+        if self._ack_words:
+            self._word(slot, 0)  # checks the slot
+            addr = self._ack_words + slot * ACK_STRIDE + 4
+        else:
+            addr = self._word(slot, ACK_OFFSET)
+        self.driver.stream_write_value32(self.rt.current_stream(), addr, gen)
+
+    def _unregister(self) -> None:
+        while self._registered:
+            self.driver.host_unregister(self._registered.pop())
 
     def close(self) -> None:
+        """Synchronize (queued acks land), unregister the control words, drop the slabs. A
+        slab still viewed by a tensor stays mapped until that tensor is gone; the device is
+        released after the last unmap."""
         if self._closed:
             return
         self._closed = True
+        self._mapped += 1  # hold the device while closing
         try:
-            self.rt.synchronize()  # queued acks land before the control block is unregistered
+            self.rt.synchronize()  # queued acks land before the control words are unregistered
         finally:
-            for slab in list(self.slabs):
-                slab.close()
             try:
+                for slab in list(self.slabs):
+                    slab.close()
                 if self._control is not None:
                     self._control.close()
                     self._control = None
-                if self.ctrl is not None:
-                    self.driver.host_unregister(self.ctrl.address)
+                self._unregister()
             finally:
-                self.driver.release_device()
+                self._mapped -= 1
+                if self._mapped == 0:
+                    self.driver.release_device()
 
 
 def _pick_device(device: torch.device | None, cuda_info: dict[str, Any]) -> int:

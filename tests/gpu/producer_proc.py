@@ -53,7 +53,7 @@ def handle(
         data = pattern(int(msg["nbytes"]), int(msg["seed"]), dev).view(parse_dtype(msg["dtype"]))
         if msg.get("sleep_cycles"):
             torch.cuda._sleep(int(msg["sleep_cycles"]))  # delays the publish's copy behind it
-        lease = pool.put(data)
+        lease = pool.put(data, ttl_s=msg.get("ttl_s"))
         ready_now = pool.ctrl.ready(lease.slot)  # read on the host right after publish
         reply = {"op": "lease", "lease": pool.describe(lease).wire(), "ready_after_put": ready_now}
     elif op == "stats":

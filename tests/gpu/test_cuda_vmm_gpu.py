@@ -133,7 +133,7 @@ def test_consumer_stream_waits_for_a_delayed_producer_copy(producer: Producer, c
     # The producer's host returned long before its stream got to the copy: no host sync.
     assert reply["ready_after_put"] < desc["generation"]
     assert t_reply < 0.1
-    t = client.open(desc)  # enqueues the wait; returns at once
+    t = client.open(desc, host_wait=False)  # enqueues the stream wait; returns at once
     ok = torch.equal(as_bytes(t), expected(desc, 9))  # runs after the wait on this stream
     waited = time.perf_counter() - t0
     assert ok
@@ -248,3 +248,88 @@ def test_producer_killed_mapped_data_stays_valid(sock: Path) -> None:
             p2.close()
     finally:
         p1.close()
+
+
+def test_lease_expiring_under_queued_reads_is_not_reused(sock: Path) -> None:
+    """The consumer's stream is held behind a ~3 s kernel with its read of a lease queued after
+    it; the lease's 1 s deadline passes meanwhile and the producer is asked for more leases
+    of the same size. The lease is quarantined (opened, not yet acked): its memory is not
+    reused, so the queued read sees the lease's own bytes; the memory returns at the ack."""
+    from pool.client import FeatureClient
+
+    p = Producer(sock, pool_mb=32, slab_mb=32, max_leases=16)
+    try:
+        with FeatureClient.connect(sock) as client:
+            nbytes = 8 << 20
+            desc = p.call("put", nbytes=nbytes, dtype="uint8", seed=31, ttl_s=1.0)["lease"]
+            view = client.open(desc)
+            torch.cuda._sleep(6_000_000_000)  # ~3 s on this stream, before the read
+            copy = view.clone()  # queued behind the sleep
+            client.release(desc)  # the ack, after the read, on this stream
+            time.sleep(1.5)  # the deadline passes while the read is still queued
+            stats = p.call("stats")["stats"]
+            assert stats["expired"] == {"gpu": 1}
+            assert stats["quarantined_leases"] == 1, stats
+            # Best-fit would hand out the expired extent first: instead the other three quarters
+            # of the pool fill up, and then the pool is full rather than reuse it.
+            others = [
+                p.call("put", nbytes=nbytes, dtype="uint8", seed=100 + i, ttl_s=60)["lease"]
+                for i in range(3)
+            ]
+            assert all((o["slab"], o["offset"]) != (desc["slab"], desc["offset"]) for o in others)
+            with pytest.raises(RuntimeError, match="PoolExhausted"):
+                p.call("put", nbytes=nbytes, dtype="uint8", seed=104, ttl_s=60)
+            torch.cuda.synchronize()
+            assert torch.equal(copy, expected(desc, 31))
+            assert wait_until(lambda: p.call("stats")["stats"]["quarantined_leases"] == 0)
+            assert p.call("stats")["stats"]["quarantine"] == {"held": 1, "released": 1}
+    finally:
+        p.close()
+
+
+def test_producer_dying_before_its_copy_gives_open_a_timeout(sock: Path) -> None:
+    """The producer's copy and ready write are queued behind a long kernel and the producer is
+    SIGKILLed before they run: the ready word never comes. ``open`` gives up after its timeout
+    (the host-visible ready word) and this process's stream is not left waiting."""
+    from pool.client import FeatureClient
+
+    p = Producer(sock)
+    client = FeatureClient.connect(sock)
+    try:
+        desc = p.call("put", nbytes=1 << 20, dtype="uint8", seed=41, sleep_cycles=8_000_000_000)[
+            "lease"
+        ]
+        p.proc.kill()
+        p.proc.wait(timeout=30)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match="not published"):
+            client.open(desc, timeout_s=1.0)
+        waited = time.perf_counter() - t0
+        assert 1.0 <= waited < 1.5, waited
+        torch.cuda.synchronize()  # nothing of that lease was enqueued on this stream
+    finally:
+        client.close()
+        p.close()
+
+
+def test_views_outlive_close_on_the_gpu_tier(producer: Producer, sock: Path) -> None:
+    """A tensor from ``open`` keeps its slab mapped after ``close``: reading it reads the
+    lease's bytes (unmapping under it would fault), and ``reattach`` maps elsewhere."""
+    from pool.client import FeatureClient
+
+    client = FeatureClient.connect(sock)
+    desc = producer.call("put", nbytes=1 << 20, dtype="uint8", seed=51)["lease"]
+    view = client.open(desc)
+    torch.cuda.synchronize()
+    client.close()
+    assert torch.equal(as_bytes(view), expected(desc, 51))
+    client = FeatureClient.connect(sock)
+    try:
+        again = client.open(desc)
+        assert again.data_ptr() != view.data_ptr()  # the old range is still taken by ``view``
+        assert torch.equal(as_bytes(view), as_bytes(again))
+        client.release(desc)
+        del view  # its range is unmapped now, after a synchronize
+        torch.cuda.synchronize()
+    finally:
+        client.close()
