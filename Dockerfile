@@ -30,6 +30,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY pool ./pool
+# The engine integrations (docs/integrations.md): small, and part of the package.
+COPY featpool_vllm ./featpool_vllm
+COPY featpool_sglang ./featpool_sglang
 RUN /opt/venv/bin/pip install ".[cuda]" \
  && /opt/venv/bin/pip check \
  && /opt/venv/bin/python -c "import app, pool"

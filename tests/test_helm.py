@@ -865,7 +865,14 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
     for k, a in dockerfile():
         if k == "COPY" and not a.startswith("--from"):
             copied += a.split()[:-1]
-    assert copied == ["pyproject.toml", "README.md", "app", "pool"]
+    assert copied == [
+        "pyproject.toml",
+        "README.md",
+        "app",
+        "pool",
+        "featpool_vllm",
+        "featpool_sglang",
+    ]
     for path in [*copied, "app/__init__.py", "pool/featurepool.py"]:
         assert not dockerignored(path, patterns), path
         assert (ROOT / path).exists(), path
