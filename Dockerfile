@@ -2,45 +2,63 @@
 #
 # featpool: HTTP feature encoder with a shared CUDA VMM pool.
 #
-#   docker build -t featpool:0.1.0 .
+#   docker build -t featpool:0.1.0 .                                          # CUDA 12.8
+#   docker build --build-arg CUDA_VERSION=13.0.0 -t featpool:0.1.0-cuda13.0 .  # CUDA 13.0
 #   docker run --gpus all -p 8000:8000 -v /run/featpool:/run/featpool featpool:0.1.0
 #
-# Two stages on the same CUDA runtime base, so the virtual environment built in the first stage
-# finds the very same /usr/bin/python3 in the second. Ubuntu 24.04 ships Python 3.12, which
-# pyproject's requires-python accepts (22.04's 3.10 does not; tests/test_helm.py checks this). The torch wheel brings its own CUDA user
-# libraries; the GPU driver comes from the host through the NVIDIA container toolkit.
+# One build argument, CUDA_VERSION, picks both the base image (nvidia/cuda:<CUDA_VERSION>-runtime)
+# and the lock file requirements/cuda-<major.minor>.txt: torch, torchvision and cuda-bindings
+# built for that CUDA release, every dependency pinned with its hashes, the `cuda` and `hf`
+# extras included. CUDA 12.8 needs an R570 or newer driver on the nodes, CUDA 13.0 an R580.
+# The dependencies are a layer of their own, installed before the source is copied: a source
+# change reuses it. `make lock` regenerates the locks (uv pip compile --generate-hashes).
+#
+# Two stages on the same base, so the virtual environment built in the first stage finds the
+# very same /usr/bin/python3 in the second. Ubuntu 24.04 ships Python 3.12, which pyproject's
+# requires-python accepts and the locks are compiled for (tests/test_image.py checks both). The
+# torch wheel brings its own CUDA user libraries of the same release as the base image; the GPU
+# driver comes from the host through the NVIDIA container toolkit.
 
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CUDA_VERSION=12.8.1
 
 # ---------------------------------------------------------------------------------------------
-FROM ${CUDA_IMAGE} AS builder
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04 AS builder
 
+ARG CUDA_VERSION
 ARG DEBIAN_FRONTEND=noninteractive
+# Ubuntu's archive drops a package version once it is superseded, so an apt pin breaks the build at
+# the next security update (DL3008); the base image tag and the lock file are what is pinned.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python3 -m venv /opt/venv \
- && /opt/venv/bin/pip install --upgrade pip
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
 
 WORKDIR /src
-# Only what the wheel needs: the metadata (pyproject.toml names README.md) and the two packages.
+# The locked dependencies of this CUDA release, hashes required, nothing resolved at build time.
+COPY requirements/ ./requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/venv/bin/pip install --require-hashes --no-deps -r "requirements/cuda-${CUDA_VERSION%.*}.txt"
+
+# Then the project alone: no dependencies, and no build backend fetched (hatchling is locked).
+# Only what the wheel needs: the metadata (pyproject.toml names README.md) and the packages.
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY pool ./pool
 # The engine integrations (docs/integrations.md): small, and part of the package.
 COPY featpool_vllm ./featpool_vllm
 COPY featpool_sglang ./featpool_sglang
-RUN /opt/venv/bin/pip install ".[cuda]" \
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
  && /opt/venv/bin/pip check \
- && /opt/venv/bin/python -c "import app, pool"
+ && /opt/venv/bin/python -c "import app, pool, torchvision, transformers, cuda.bindings.driver"
 
 # ---------------------------------------------------------------------------------------------
-FROM ${CUDA_IMAGE} AS runtime
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04 AS runtime
 
 ARG DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
@@ -62,7 +80,9 @@ ENV PATH=/opt/venv/bin:${PATH} \
     XDG_CACHE_HOME=/tmp/.cache \
     FEATPOOL_SOCKET_PATH=/run/featpool/featpool.sock
 
+ARG CUDA_VERSION
 LABEL org.opencontainers.image.title="featpool" \
+      com.nvidia.cuda.version.base="${CUDA_VERSION}" \
       org.opencontainers.image.description="Encode images to GPU feature tensors and hand them to other processes zero-copy" \
       org.opencontainers.image.licenses="Apache-2.0"
 

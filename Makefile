@@ -7,7 +7,7 @@ TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
 EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,)
 ARGS   ?=
 
-.PHONY: install install-dev serve test lint bench-cpu clean
+.PHONY: install install-dev serve test lint bench-cpu clean prometheus lock
 
 $(VENV)/.base:
 	python3 -m venv $(VENV)
@@ -32,8 +32,25 @@ serve: install
 	$(PY) -m app $(ARGS)
 
 ## test: install the dev tools and run every test (GPU tests skip without CUDA)
-test: install-dev
+test: install-dev prometheus
 	$(PY) -m pytest $(ARGS)
+
+## prometheus: promtool and prometheus for tests/test_alerts.py (Debian's package; needs root)
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && apt-get update -qq \
+	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+	  || echo "prometheus not installed (apt-get install prometheus as root): tests/test_alerts.py skips"
+
+## lock: regenerate the image's lock files (requirements/cuda-*.txt) from pyproject.toml and the .in files
+lock:
+	$(PY) -m pip install -q uv
+	for f in requirements/cuda-*.in; do \
+	  $(VENV)/bin/uv pip compile pyproject.toml $$f --extra cuda --extra hf --generate-hashes \
+	    --python-version 3.12 --python-platform x86_64-manylinux_2_28 --no-header --quiet \
+	    -o $${f%.in}.txt || exit 1; \
+	done
 
 lint: install-dev
 	$(VENV)/bin/ruff check app pool featpool_vllm featpool_sglang tests bench

@@ -24,6 +24,7 @@ from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, metrics_router, ops, v1
 from app.settings import Settings
+from pool import discovery
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,17 @@ def create_app(
         metrics.queue_depth.set_function(
             lambda: float(engine.batcher.depth if engine.batcher else 0)
         )
+        try:
+            # The socket directory's index: consumers find this server by its GPU from now on.
+            entry = discovery.publish(
+                settings.socket_path,
+                gpu_uuid=published_gpu_uuid(settings, engine.device),
+                device=engine.device.type,
+                transport=engine.caps.transport,
+            )
+        except BaseException:
+            await engine.stop()
+            raise
         metrics.admitted_images.set_function(lambda: float(app.state.admission.images))
         metrics.admitted_bytes.set_function(lambda: float(app.state.admission.bytes))
         # With --http-workers, front processes send their engine calls over this channel;
@@ -81,6 +93,7 @@ def create_app(
         try:
             yield
         finally:
+            entry.close()  # first: new consumers go to another server while this one drains
             if jobs is not None:
                 await jobs.stop()
             await engine.stop()
@@ -107,6 +120,20 @@ def create_app(
     app.include_router(metrics_router)
     app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app
+
+
+def published_gpu_uuid(settings: Settings, device: torch.device) -> str | None:
+    """The GPU this server announces: the CUDA device's own UUID, or on CPU the configured
+    ``gpu_uuid`` (a host-tier server has no GPU of its own; tests use a made-up one)."""
+    if device.type != "cuda":
+        return settings.gpu_uuid
+    actual = discovery.normalize_uuid(str(torch.cuda.get_device_properties(device).uuid))
+    if settings.gpu_uuid and discovery.normalize_uuid(settings.gpu_uuid) != actual:
+        raise RuntimeError(
+            f"--gpu-uuid {settings.gpu_uuid} (FEATPOOL_GPU_UUID) is not the GPU this server "
+            f"runs on ({device}: {actual}); drop it or fix it"
+        )
+    return actual
 
 
 def log_startup(settings: Settings, engine: Engine) -> None:

@@ -17,6 +17,8 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -183,6 +185,10 @@ class Metrics(HttpMetrics):
             # traffic, so its own counts stay off the export and the fronts' sum goes on it.
             super().__init__(CollectorRegistry())
             MultiProcessCollector(r, path=str(front_metrics_dir))  # type: ignore[no-untyped-call]
+        # process_* of this (the GPU) process: open FDs above all, since the hand-off passes
+        # them; and python_info. Default collectors register on the global registry, not here.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.build_info = Gauge(
             "featpool_build_info",
             "Build and runtime versions",

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     )
     socket_allowed_gids: list[int] = Field(default_factory=list, description="peer gids allowed")
     socket_token: SecretStr | None = Field(None, description="shared secret consumers must send")
+    gpu_uuid: str | None = Field(
+        None,
+        description="GPU identity published in the socket directory's index (pool.discovery); "
+        "on CUDA the device's own UUID is published and a different value here stops start-up; "
+        "on CPU (host tier only) this configured value is what consumers ask for",
+    )
     fabric_listen: str | None = Field(
         None,
         description="HOST:PORT where consumers on other NVLink nodes attach over TCP "

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -116,6 +116,27 @@ class FeatureClient:
         client = cls(socket_path, token=token, device=device, timeout_s=timeout_s)
         client._attach()
         return client
+
+    @classmethod
+    def for_gpu(
+        cls,
+        socket_dir: str | os.PathLike[str] | None = None,
+        *,
+        gpu_uuid: str | None = None,
+        cuda_index: int | None = None,
+        owner_uids: Iterable[int] | None = None,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> FeatureClient:
+        """Attach to the featpool of a GPU, found in ``socket_dir`` by the discovery rule of
+        ``pool.discovery`` (by UUID, or by this process's CUDA index, which is also the device
+        the features are mapped on; ``owner_uids``: trust only entries those uids wrote). Call
+        it again after a ConnectionError to follow a rolling update to the new pod."""
+        from pool.discovery import find
+
+        entry = find(socket_dir, gpu_uuid=gpu_uuid, cuda_index=cuda_index, owner_uids=owner_uids)
+        device = f"cuda:{cuda_index}" if cuda_index is not None else None
+        return cls.connect(entry.socket, token=token, device=device, timeout_s=timeout_s)
 
     def _connect(self) -> socket.socket:
         if not self.remote:

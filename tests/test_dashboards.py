@@ -42,9 +42,13 @@ SUFFIXES = {
     "unknown": ("",),
 }
 
-METRIC = re.compile(r"\bfeatpool_[A-Za-z0-9_:]*")
+# The service's own families, and the process collector's on its registry (process_open_fds...).
+METRIC = re.compile(r"\b(?:featpool|process)_[A-Za-z0-9_:]*")
+# `up` is not exported: Prometheus writes it for every target it scrapes (1 when the scrape
+# worked), with the target's labels only.
+SYNTHETIC = re.compile(r"\bup\s*\{")
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-SELECTOR = re.compile(r"\b(featpool_[A-Za-z0-9_:]*)\s*\{([^}]*)\}")
+SELECTOR = re.compile(r"\b((?:featpool|process)_[A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
 
@@ -187,7 +191,7 @@ def test_expression_names_exported_metrics(
     names: dict[str, set[str]], where: str, expr: str
 ) -> None:
     used = metrics_in(expr)
-    assert used, f"{where}: no featpool_ metric in {expr!r}"
+    assert used or SYNTHETIC.search(expr), f"{where}: no featpool_ metric nor up in {expr!r}"
     unknown = sorted(set(used) - set(names))
     assert not unknown, f"{where}: {unknown} are not exported (in {expr!r})"
 
@@ -203,6 +207,9 @@ def test_expression_labels_exist(names: dict[str, set[str]], where: str, expr: s
     for metric, body in SELECTOR.findall(stripped):
         for label in MATCHER.findall(body):
             assert label in names[metric] | TARGET_LABELS, f"{where}: {metric} has no {label}"
+    for body in re.findall(r"\bup\s*\{([^}]*)\}", stripped):
+        for label in MATCHER.findall(body):
+            assert label in TARGET_LABELS, f"{where}: up has no {label}"
     for label in grouping_labels(stripped):
         assert label in available, f"{where}: no metric in {expr!r} has the label {label}"
 

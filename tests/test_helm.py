@@ -22,6 +22,8 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from tests.k8s import container_env
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "featpool"
 CI_DIR = CHART / "ci"
@@ -30,11 +32,14 @@ CI_FILES = [
     "daemonset-values.yaml",
     "monitoring-values.yaml",
     "fabric-values.yaml",
+    "sidecar-values.yaml",
+    "hpa-values.yaml",
+    "keda-values.yaml",
 ]
 # resource.k8s.io/v1 (DRA) is GA from 1.34.
 KUBE_VERSION = "1.34.0"
 # Custom resources: not in the Kubernetes schemas; their fields are asserted below instead.
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ComputeDomain"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ComputeDomain", "ScaledObject"}
 RELEASE, NAMESPACE = "fp", "ml"
 FULLNAME = "fp-featpool"
 IMAGE = {"image": {"repository": "registry.example.com/featpool"}}
@@ -157,7 +162,7 @@ def test_manifests_validate_against_kubernetes_schemas(chart: helm.Chart, values
 
 def test_default_release(chart: helm.Chart) -> None:
     docs = render(chart, ci_values("default-values.yaml"))
-    assert kinds(docs) == ["ConfigMap", "Deployment", "Service", "ServiceAccount"]
+    assert kinds(docs) == ["ConfigMap", "Deployment", "Pod", "Service", "ServiceAccount"]
     dep = one(docs, "Deployment")
     assert dep["metadata"]["name"] == FULLNAME
     assert dep["spec"]["replicas"] == 1
@@ -238,8 +243,10 @@ def test_socket_directory_is_a_host_path_for_consumers(chart: helm.Chart) -> Non
     assert "emptyDir" in volumes["tmp"]
     mounts = {m["name"]: m["mountPath"] for m in container(docs)["volumeMounts"]}
     assert mounts == {"socket": "/run/featpool", "tmp": "/tmp"}
-    cm = one(docs, "ConfigMap")
-    assert cm["data"]["FEATPOOL_SOCKET_PATH"] == "/run/featpool/featpool.sock"
+    # One socket per pod, named by the downward API's pod name (kubelet expands $(POD_NAME)).
+    env = container_env(docs, pod_name="fp-featpool-5f9c-x2k")
+    assert env["FEATPOOL_SOCKET_PATH"] == "/run/featpool/fp-featpool-5f9c-x2k.sock"
+    assert "FEATPOOL_SOCKET_PATH" not in one(docs, "ConfigMap")["data"]
 
     moved = render(
         chart,
@@ -257,7 +264,7 @@ def test_socket_directory_is_a_host_path_for_consumers(chart: helm.Chart) -> Non
     )
     volumes = {v["name"]: v for v in pod_spec(moved)["volumes"]}
     assert volumes["socket"]["hostPath"]["path"] == "/var/run/fp"
-    assert one(moved, "ConfigMap")["data"]["FEATPOOL_SOCKET_PATH"] == "/sock/s.sock"
+    assert container_env(moved, pod_name="p")["FEATPOOL_SOCKET_PATH"] == "/sock/s.sock"
     assert "initContainers" not in pod_spec(moved)
 
 
@@ -285,13 +292,15 @@ def container_settings(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPat
     cm = one(docs, "ConfigMap")
     c = container(docs)
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
-    env = dict(cm["data"])
-    for var in c.get("env", []):
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        else:  # from a Secret
-            env[var["name"]] = f"secret-{var['name'].lower()}"
-    assert all(k.startswith("FEATPOOL_") for k in env)
+    secrets = {
+        f"{v['valueFrom']['secretKeyRef']['name']}/{v['valueFrom']['secretKeyRef']['key']}": (
+            f"secret-{v['name'].lower()}"
+        )
+        for v in c["env"]
+        if "secretKeyRef" in v.get("valueFrom", {})
+    }
+    env = container_env(docs, pod_name="fp-featpool-5f9c-x2k", secrets=secrets)
+    assert all(k.startswith(("FEATPOOL_", "HF_")) or k == "POD_NAME" for k in env)
     for name in list(Settings.model_fields):
         monkeypatch.delenv(f"FEATPOOL_{name.upper()}", raising=False)
     for k, v in env.items():
@@ -319,7 +328,7 @@ def test_every_setting_is_configurable(chart: helm.Chart) -> None:
     )
     data = one(render(chart, IMAGE), "ConfigMap")["data"]
     expected = {f"FEATPOOL_{k.upper()}" for k, v in config.items() if v is not None}
-    assert set(data) == expected | {"FEATPOOL_SOCKET_PATH"}
+    assert set(data) == expected
 
 
 def test_default_settings_parse_in_the_service(
@@ -327,7 +336,8 @@ def test_default_settings_parse_in_the_service(
 ) -> None:
     s = container_settings(render(chart, IMAGE), monkeypatch)
     assert s.host == "0.0.0.0" and s.port == 8000
-    assert str(s.socket_path) == "/run/featpool/featpool.sock"
+    assert str(s.socket_path) == "/run/featpool/fp-featpool-5f9c-x2k.sock"
+    assert s.gpu_uuid is None
     assert s.pool_bytes == 1 << 30  # not 1.073741824e+09
     assert s.slab_bytes == 128 << 20
     assert s.lease_ttl_s == 60.0
@@ -382,6 +392,7 @@ def test_daemonset_release(chart: helm.Chart) -> None:
     assert kinds(docs) == [
         "ConfigMap",
         "DaemonSet",
+        "Pod",  # the helm test hook
         "PodDisruptionBudget",
         "Service",
         "ServiceAccount",
@@ -395,7 +406,11 @@ def test_daemonset_release(chart: helm.Chart) -> None:
     c = container(docs)
     assert c["image"] == "registry.example.com/featpool:0.1.0"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+    secrets = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert secrets == {
         "FEATPOOL_API_KEY": {"name": "featpool-auth", "key": "api-key"},
         "FEATPOOL_SOCKET_TOKEN": {"name": "featpool-auth", "key": "socket-token"},
@@ -414,6 +429,7 @@ def test_monitoring_release(chart: helm.Chart) -> None:
         "ConfigMap",
         "ConfigMap",
         "Deployment",
+        "Pod",  # the helm test hook
         "PrometheusRule",
         "Service",
         "ServiceAccount",
@@ -448,7 +464,11 @@ def test_monitoring_release(chart: helm.Chart) -> None:
     rule = one(docs, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert rule["spec"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    # The plain rules file, its job="featpool" selectors narrowed to this release's targets.
+    text = (CHART / "files" / "alerts.yaml").read_text()
+    assert text.count('job="featpool"') >= 10
+    release = text.replace('job="featpool"', f'job="{FULLNAME}",namespace="{NAMESPACE}"')
+    assert rule["spec"] == yaml.safe_load(release)
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"FeatpoolPoolNearFull", "FeatpoolNotReady"} <= alerts
 
@@ -459,6 +479,7 @@ def test_fabric_release(chart: helm.Chart) -> None:
         "ComputeDomain",
         "ConfigMap",
         "Deployment",
+        "Pod",  # the helm test hook
         "ResourceClaimTemplate",
         "Service",
         "ServiceAccount",
@@ -726,18 +747,27 @@ def exec_form(args: str) -> list[str]:
     return value
 
 
-def test_dockerfile_is_multi_stage_on_a_cuda_runtime_image() -> None:
+def base_image() -> str:
+    """The FROM image with the default CUDA_VERSION build argument."""
     instrs = dockerfile()
     args = dict(a.split("=", 1) for k, a in instrs if k == "ARG" and "=" in a)
+    froms = {a.split(" AS ")[0] for k, a in instrs if k == "FROM"}
+    assert len(froms) == 1, froms  # both stages on the same base
+    return froms.pop().replace("${CUDA_VERSION}", args["CUDA_VERSION"])
+
+
+def test_dockerfile_is_multi_stage_on_a_cuda_runtime_image() -> None:
+    instrs = dockerfile()
     froms = [a for k, a in instrs if k == "FROM"]
     assert len(froms) >= 2
     assert froms[0].endswith(" AS builder")
-    base = args["CUDA_IMAGE"]
-    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu\d\d\.\d\d", base), base
-    # The builder installs the project with the cuda extra into a venv...
+    base = base_image()
+    assert re.fullmatch(r"nvidia/cuda:1[23]\.\d+\.\d+-runtime-ubuntu\d\d\.\d\d", base), base
+    # The builder installs the locked dependencies, then the project alone, into a venv...
     runs = " ".join(a for k, a in instrs if k == "RUN")
     assert "python3 -m venv /opt/venv" in runs
-    assert '/opt/venv/bin/pip install ".[cuda]"' in runs
+    assert "--require-hashes --no-deps -r" in runs
+    assert "/opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation ." in runs
     # ...and the final stage takes only the venv.
     copies = [a for k, a in final_stage() if k == "COPY"]
     assert copies == ["--from=builder /opt/venv /opt/venv"]
@@ -748,7 +778,7 @@ def test_dockerfile_python_satisfies_requires_python() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     requires = re.search(r'^requires-python\s*=\s*"([^"]+)"', pyproject, re.MULTILINE)
     assert requires, "pyproject.toml has no requires-python"
-    base = dict(a.split("=", 1) for k, a in dockerfile() if k == "ARG" and "=" in a)["CUDA_IMAGE"]
+    base = base_image()
     ubuntu_python = {"ubuntu22.04": "3.10", "ubuntu24.04": "3.12"}
     release = base.rsplit("-", 1)[1]
     assert release in ubuntu_python, f"unknown Python of {release}"
@@ -773,9 +803,8 @@ def test_dockerfile_runtime_contract() -> None:
     # The image and the chart agree on the port and the socket directory.
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["containerPort"] == 8000
-    assert values["socket"]["mountPath"] + "/" + values["socket"]["fileName"] == (
-        "/run/featpool/featpool.sock"
-    )
+    # (The image's default socket is for `docker run`; the chart names one per pod there.)
+    assert values["socket"]["mountPath"] == "/run/featpool"
     assert values["securityContext"]["runAsUser"] == int(uid)
 
 
@@ -866,6 +895,7 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
         if k == "COPY" and not a.startswith("--from"):
             copied += a.split()[:-1]
     assert copied == [
+        "requirements/",
         "pyproject.toml",
         "README.md",
         "app",
@@ -873,6 +903,6 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
         "featpool_vllm",
         "featpool_sglang",
     ]
-    for path in [*copied, "app/__init__.py", "pool/featurepool.py"]:
+    for path in [*copied, "app/__init__.py", "pool/featurepool.py", "requirements/cuda-12.8.txt"]:
         assert not dockerignored(path, patterns), path
         assert (ROOT / path).exists(), path

@@ -55,8 +55,44 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* The socket path in the container; `$(POD_NAME)` is expanded by the kubelet (env POD_NAME). */}}
 {{- define "featpool.socketPath" -}}
-{{- printf "%s/%s" (trimSuffix "/" .Values.socket.mountPath) .Values.socket.fileName -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.socket.mountPath) (default "$(POD_NAME).sock" .Values.socket.fileName) -}}
+{{- end -}}
+
+{{/* Seconds the startup probe allows before the kubelet restarts a loading container. */}}
+{{- define "featpool.startupBudget" -}}
+{{- mul .Values.probes.startup.periodSeconds .Values.probes.startup.failureThreshold -}}
+{{- end -}}
+
+{{/* progressDeadlineSeconds: at least the startup budget (a rollout would fail while a pod is still allowed to load). */}}
+{{- define "featpool.progressDeadline" -}}
+{{- $budget := include "featpool.startupBudget" . | int -}}
+{{- if kindIs "invalid" .Values.progressDeadlineSeconds -}}
+{{- add $budget 300 -}}
+{{- else if lt (int .Values.progressDeadlineSeconds) $budget -}}
+{{- fail (printf "progressDeadlineSeconds=%d is shorter than the startup probe budget (probes.startup: %d s): a rollout would fail while its pod is still allowed to load the model" (int .Values.progressDeadlineSeconds) $budget) -}}
+{{- else -}}
+{{- .Values.progressDeadlineSeconds | int -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "featpool.modelCacheClaim" -}}
+{{- default (printf "%s-model-cache" (include "featpool.fullname" .)) .Values.modelCache.existingClaim -}}
+{{- end -}}
+
+{{/* Pod Security `restricted` container securityContext for the chart's helper pods. */}}
+{{- define "featpool.restrictedContainerSecurity" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
 {{- end -}}
 
 {{/* Name of the ResourceClaim or ResourceClaimTemplate that holds the GPU under DRA. */}}
