@@ -18,6 +18,7 @@ from app import logs
 from app.backends import preflight
 from app.encoders import check_encoder_name
 from app.front import listen_shared, settings_env
+from app.http_protocol import http_protocol
 from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             create_app(settings),
             host=settings.host,
             port=settings.port,
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(
             app,
             fd=listener.fileno(),
+            http=http_protocol(settings),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=10,

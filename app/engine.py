@@ -29,6 +29,7 @@ from app.preprocess import ImageSpec
 from app.settings import Settings
 from pool.descriptor import LeaseDescriptor
 from pool.errors import (
+    CudaError,
     CudaUnavailable,
     LeaseExpired,
     LeaseNotFound,
@@ -36,13 +37,55 @@ from pool.errors import (
     PoolError,
     StaleLease,
 )
-from pool.featurepool import FeaturePool
+from pool.featurepool import FeaturePool, lease_slots
 from pool.leases import Lease
 from pool.server import FabricHandoffServer, HandoffServer
 
 log = logging.getLogger(__name__)
 
 MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU queue
+
+# CUDA errors that leave the context unusable ("sticky": every later call fails too), so the
+# process must restart: the runtime's code and its cudaGetErrorString text (the driver's
+# CUresult numbers are the same). Anything else fails its batch and the service lives on.
+STICKY_CUDA_ERRORS = {
+    214: "uncorrectable ECC error encountered",
+    700: "an illegal memory access was encountered",
+    702: "the launch timed out and was terminated",
+    709: "context is destroyed",
+    710: "device-side assert triggered",
+    714: "hardware stack error",
+    715: "an illegal instruction was encountered",
+    716: "misaligned address",
+    717: "operation not supported on global/shared address space",
+    718: "invalid program counter",
+    719: "unspecified launch failure",
+}
+_STICKY_BY_TEXT = {text: code for code, text in STICKY_CUDA_ERRORS.items()}
+CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY
+
+
+def cuda_error_code(e: BaseException) -> int | None:
+    """The CUDA error code an exception carries: a driver call's CUresult (pool.errors.
+    CudaError), torch.AcceleratorError's ``error_code``, or, from a torch that raises a plain
+    RuntimeError, the code whose error string follows torch's "CUDA error: " prefix."""
+    if isinstance(e, CudaError):
+        return e.code
+    code = getattr(e, "error_code", None)
+    if isinstance(code, int):
+        return code
+    head, sep, rest = str(e).partition("CUDA error: ")
+    if isinstance(e, RuntimeError) and sep and not head:
+        return _STICKY_BY_TEXT.get(rest.split("\n", 1)[0].strip().rstrip("."))
+    return None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or cuda_error_code(e) == CUDA_OUT_OF_MEMORY
+
+
+def is_sticky(e: BaseException) -> bool:
+    return cuda_error_code(e) in STICKY_CUDA_ERRORS
 
 
 @dataclass
@@ -106,10 +149,15 @@ class Engine:
     async def _start(self) -> None:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
+        # The encoder first: its output size sets how many lease slots the pool needs.
+        encoder = self._encoder
+        if encoder is None:
+            encoder = await asyncio.to_thread(self._build_encoder)
+        self.encoder = encoder
         backends, self.caps = build_backends(s, self.device)
         self.pool = FeaturePool(
             backends,
-            max_leases=s.max_leases,
+            max_leases=s.max_leases or self._lease_slots(backends),
             default_ttl_s=s.lease_ttl_s,
             max_ttl_s=s.max_lease_ttl_s,
             policy=s.fallback,
@@ -131,10 +179,6 @@ class Engine:
         )
         self.server.start()
         self._start_remote()
-        encoder = self._encoder
-        if encoder is None:
-            encoder = await asyncio.to_thread(self._build_encoder)
-        self.encoder = encoder
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
         self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
@@ -168,6 +212,15 @@ class Engine:
         )
         self.batcher.start()
         self.ready = True
+
+    def _lease_slots(self, backends: Sequence[Any]) -> int:
+        """--max-leases 0: enough slots that, at the encoder's (unpooled) feature size, every
+        tier and the inline bound run out of bytes before the slots run out."""
+        assert self.encoder is not None
+        rows, dim = self.encoder.output_shape
+        feature = rows * dim * self.encoder.dtype.itemsize
+        capacity = sum(sum(b.slab_sizes) for b in backends) + self.settings.inline_max_bytes
+        return lease_slots(capacity, feature)
 
     def _build_encoder(self) -> Encoder:
         s = self.settings
@@ -251,8 +304,13 @@ class Engine:
         caller holds an admission permit for these images (app/admission.py)."""
         if not self.ready or self.batcher is None or self.encoder is None:
             raise ApiError("not_ready", "the service is starting or draining")
+        if self.dead_reason:
+            raise ApiError("not_ready", f"the engine is dead ({self.dead_reason}); restarting")
         if self.pool is not None and ttl_s is not None:
-            self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
+            try:
+                self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
+            except ValueError as e:
+                raise ApiError("validation_error", str(e)) from None
         size = self.encoder.image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
@@ -457,6 +515,7 @@ class Engine:
                 img.data,
                 max_pixels=s.max_image_pixels,
                 max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
                 label=img.label,
             )
             if h.gpu_jpeg:
@@ -466,13 +525,22 @@ class Engine:
     def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        if self._spec is not None:  # the model's preprocessing runs on the device, at full size
+        if self._spec is not None:  # the model's preprocessing runs on the device, full size
             out = decode_upright(
-                data, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+                data,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
             )
         else:
             out = decode(
-                data, size, max_pixels=s.max_image_pixels, max_bytes=s.max_image_bytes, label=label
+                data,
+                size,
+                max_pixels=s.max_image_pixels,
+                max_bytes=s.max_image_bytes,
+                max_decoded_bytes=s.max_image_decoded_bytes,
+                label=label,
             )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         return out
@@ -541,8 +609,9 @@ class Engine:
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
-        An image that cannot be decoded fails alone; a CUDA error fails the batch and marks
-        the service not live."""
+        An image that cannot be decoded fails alone; a CUDA out-of-memory in the encoder splits
+        the batch; any other error fails the batch, and a sticky CUDA error marks the service
+        not live."""
         assert self.encoder is not None and self.pool is not None
         try:
             ok, x, failed = self._pixels(jobs)
@@ -552,22 +621,29 @@ class Engine:
             if x is None:
                 return results
             start = self._event()
-            n = x.shape[0]
-            pad = next((b for b in self._buckets if b >= n), n) - n
-            if pad:
-                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-            feats = self.encoder.encode(x)[:n]
+            chunks = self._forward_split(x)
             self._track(start, len(ok))
-            pooled = feats.float().mean(1) if any(jobs[i].pooled for i in ok) else None
-        except RuntimeError as e:
-            self._check_cuda(e, "the encoder")
-            return [e] * len(jobs)
+            any_pooled = any(jobs[i].pooled for i in ok)
+            rows: list[tuple[torch.Tensor | None, torch.Tensor | None] | BaseException] = []
+            for k, out in chunks:
+                if isinstance(out, BaseException):
+                    rows += [out] * k
+                    continue
+                pooled = out.float().mean(1) if any_pooled else None
+                rows += [(out[r], pooled[r] if pooled is not None else None) for r in range(k)]
+        except Exception as e:
+            return [self._batch_error(e, "the encoder")] * len(jobs)
         # Publish per TTL (jobs of one request share theirs): one put_many each, so the GPU
         # tier copies the whole group with one launch.
         groups: dict[float | None, list[tuple[int, torch.Tensor]]] = {}
         for row, i in enumerate(ok):
-            job = jobs[i]
-            f = pooled[row] if job.pooled and pooled is not None else feats[row]
+            job, got = jobs[i], rows[row]
+            if isinstance(got, BaseException):
+                results[i] = got
+                continue
+            feats, pooled = got
+            f = pooled if job.pooled and pooled is not None else feats
+            assert f is not None
             groups.setdefault(job.ttl_s, []).append((i, f.to(job.dtype or self.encoder.dtype)))
         for ttl, members in groups.items():
             t0 = time.perf_counter()
@@ -576,20 +652,68 @@ class Engine:
                     self.pool.put_many([f for _, f in members], ttl)
                 )
             except ValueError as e:
-                placed = [e] * len(members)
-            except RuntimeError as e:  # the batch's other leases stay valid and are returned
-                self._check_cuda(e, "publishing")
-                placed = [e] * len(members)
+                placed = [ApiError("validation_error", str(e))] * len(members)
+            except Exception as e:
+                # put_many has released this group's leases already; the batch's other groups
+                # stay valid and are returned (or discarded by the batcher if their request
+                # failed).
+                placed = [self._batch_error(e, "publishing")] * len(members)
             per_lease = (time.perf_counter() - t0) / len(members)
             for (i, _), result in zip(members, placed, strict=True):
                 results[i] = result
                 self.metrics.publish_seconds.observe(per_lease)
         return results
 
-    def _check_cuda(self, e: BaseException, where: str) -> None:
-        if "CUDA" in str(e) or "cuda" in str(e):
-            self.dead_reason = f"CUDA error in {where}: {e}"
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.encoder is not None
+        n = x.shape[0]
+        pad = next((b for b in self._buckets if b >= n), n) - n
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        return self.encoder.encode(x)[:n]
+
+    def _forward_split(self, x: torch.Tensor) -> list[tuple[int, torch.Tensor | BaseException]]:
+        """The encoder's output in chunks of rows: (rows, features or error). On a CUDA
+        out-of-memory the batch is encoded again in halves, down to one image, which then
+        fails alone (503); the service stays live."""
+        n = x.shape[0]
+        try:
+            return [(n, self._forward(x))]
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            error = self._out_of_memory(e)
+        # Retried outside the except clause: its traceback holds the failed forward's tensors.
+        log.warning(
+            "CUDA out of memory encoding %d image(s); %s", n, "split" if n > 1 else "failed"
+        )
+        if n == 1:
+            return [(1, error)]
+        return self._forward_split(x[: n // 2]) + self._forward_split(x[n // 2 :])
+
+    @staticmethod
+    def _out_of_memory(e: BaseException) -> ApiError:
+        return ApiError(
+            "gpu_out_of_memory",
+            f"the GPU ran out of memory for this image ({type(e).__name__}); retry later",
+            headers={"Retry-After": "1"},
+        )
+
+    def _batch_error(self, e: Exception, where: str) -> BaseException:
+        """What a batch that raised answers, by the error's type and CUDA code (never its
+        text alone): out of memory -> 503, the service lives; a sticky CUDA error -> the
+        service reports not live (it must restart); anything else fails only this batch."""
+        if is_out_of_memory(e):
+            log.warning("CUDA out of memory in %s: %s", where, e)
+            return self._out_of_memory(e)
+        if is_sticky(e):
+            self.dead_reason = f"CUDA error {cuda_error_code(e)} in {where}: {e}"
             log.critical("%s; the service reports not live", self.dead_reason)
+            return ApiError("cuda_error", self.dead_reason)
+        if isinstance(e, PoolError | ApiError):
+            return e
+        log.error("batch failed in %s: %s: %s", where, type(e).__name__, e, exc_info=e)
+        return ApiError("internal_error", f"the batch failed in {where}: {type(e).__name__}: {e}")
 
     def _event(self) -> Any:
         if self.device.type != "cuda":

@@ -29,6 +29,7 @@ STATUS: dict[str, int] = {
     "lease_released": 410,
     "stale_lease": 410,
     "pool_restarted": 410,
+    "body_timeout": 408,
     "payload_too_large": 413,
     "image_too_large": 413,
     "too_many_images": 413,
@@ -43,13 +44,22 @@ STATUS: dict[str, int] = {
     "invalid_tensor": 500,
     "cuda_error": 500,
     "pool_exhausted": 503,
+    "lease_slots_exhausted": 503,  # every slot taken while bytes were free: --max-leases
     "not_ready": 503,
+    "gpu_out_of_memory": 503,  # the batch failed alone; the service lives on
     "cuda_unavailable": 503,
 }
 
 
 # Requests turned away before any work, counted in featpool_rejected_total{reason}.
-REJECTIONS = {"queue_full", "not_ready", "pool_exhausted", "payload_too_large"}
+REJECTIONS = {
+    "queue_full",
+    "not_ready",
+    "pool_exhausted",
+    "lease_slots_exhausted",
+    "payload_too_large",
+    "body_timeout",
+}
 
 
 def count_rejection(request: Request, kind: str) -> None:

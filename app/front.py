@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request, Response
 from app import errors, logs
 from app.admission import entrance_state
 from app.errors import ApiError
+from app.http_protocol import http_protocol
 from app.jobs import JobClient, channel_paths
 from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
@@ -117,7 +118,10 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
         )
 
     app.add_middleware(
-        ServiceMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
+        ServiceMiddleware,
+        metrics=app.state.metrics,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
     )
     return app
 
@@ -149,6 +153,7 @@ def main() -> None:
     config = uvicorn.Config(
         "app.front:create_front_app",
         factory=True,
+        http=http_protocol(settings),
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,

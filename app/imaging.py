@@ -1,9 +1,16 @@
 """Image validation and CPU decode with Pillow: bytes in, a ``[3, S, S]`` uint8 tensor out.
 
 Everything a hostile or broken upload can do is turned into an ApiError here: not an image,
-truncated, a decompression bomb, an unsupported format. Orientation (EXIF), grayscale, CMYK,
-palette, 16-bit and alpha are converted the way users expect: upright RGB, alpha composited on
-white.
+truncated, a decompression bomb, an unsupported format, more decoded bytes than allowed.
+Orientation (EXIF), grayscale, CMYK, palette, 16-bit and alpha are converted the way users
+expect: upright RGB, alpha composited on white. An MPO (what many phone cameras write: a JPEG
+followed by more pictures) is its first picture.
+
+Decoded bytes are what the decoder will hold, known from the header alone: width x height x
+channels x bytes per sample (2 for 16-bit files). They are bounded per image here, and per
+request and across requests by the engine (app/budget.py), before any pixel is decoded. The
+decode keeps its own working copies few (no copy where nothing changes, 16-bit reduced in
+integers, grayscale resized before it becomes RGB), so memory follows the count.
 """
 
 from __future__ import annotations
@@ -11,13 +18,13 @@ from __future__ import annotations
 import io
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import ApiError
 
@@ -31,9 +38,12 @@ FORMATS = {
     "GIF": "image/gif",
     "BMP": "image/bmp",
     "TIFF": "image/tiff",
+    "MPO": "image/jpeg",  # a JPEG with more pictures after the first; the first is used
 }
 ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
+NAMES = "JPEG (and MPO), PNG, WebP, GIF, BMP or TIFF"
 EXIF_ORIENTATION = 0x0112
+STRIP_BYTES = 4 << 20  # working copies of a 16-bit image are made this much at a time
 
 
 def check_content_type(content_type: str | None, what: str = "body") -> None:
@@ -55,13 +65,43 @@ class Header:
     mode: str
     orientation: int  # EXIF orientation, 1 (upright) to 8
     gpu_jpeg: bool  # a JPEG nvJPEG can take: RGB or grayscale, ending in EOI
+    decoded_bytes: int  # width x height x channels x bytes per sample
 
-    @property
-    def decoded_bytes(self) -> int:
-        """Bytes of the decoded pixels: width x height x channels x bytes per sample."""
-        mode = ImageMode.getmode(self.mode)
-        sample = int(mode.typestr[-1]) if mode.typestr[-1].isdigit() else 1
-        return self.width * self.height * len(mode.bands) * sample
+
+def decoded_bytes(im: Image.Image) -> int:
+    """What decoding ``im`` yields, from its header: width x height x channels x bytes per
+    sample. A palette counts as the RGB(A) it becomes; a 16-bit file as 2 bytes per sample
+    even where Pillow keeps 8 of them (16-bit RGB PNG); 1-bit as a byte."""
+    w, h = im.size
+    mode = im.mode
+    if mode == "P":
+        channels = 4 if "transparency" in im.info else 3
+    elif mode == "PA":
+        channels = 4
+    else:
+        channels = Image.getmodebands(mode)
+    if mode in ("I", "F"):
+        sample = 4
+    elif mode.startswith("I;16"):
+        sample = 2
+    else:
+        # The raw mode the decoder reads ("RGB;16B" for a 16-bit RGB PNG): an opened file's.
+        tile = getattr(im, "tile", None)
+        raw = tile[0].args if tile else None
+        sample = 2 if isinstance(raw, str) and ";16" in raw else 1
+    return w * h * channels * sample
+
+
+def request_decoded_bytes(headers: Sequence[Header], limit: int) -> int:
+    """The decoded bytes of a request's images, or 413 if they are more than ``limit``."""
+    total = sum(h.decoded_bytes for h in headers)
+    if total > limit:
+        raise ApiError(
+            "payload_too_large",
+            f"the request's {len(headers)} image(s) decode to {total} bytes; the limit is "
+            f"{limit} (--max-request-decoded-bytes)",
+        )
+    return total
 
 
 @contextmanager
@@ -74,10 +114,7 @@ def _image_errors(label: str) -> Iterator[None]:
     except ApiError:
         raise
     except UnidentifiedImageError:
-        raise ApiError(
-            "invalid_image",
-            f"{label} is not a recognised image (JPEG, PNG, WebP, GIF, BMP or TIFF)",
-        ) from None
+        raise ApiError("invalid_image", f"{label} is not a recognised image ({NAMES})") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ApiError("image_too_large", f"{label}: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError, KeyError, struct.error) as e:
@@ -85,18 +122,17 @@ def _image_errors(label: str) -> Iterator[None]:
         raise ApiError("invalid_image", f"{label} could not be decoded: {e}") from None
 
 
-def _open(data: bytes, *, max_pixels: int, max_bytes: int, label: str) -> Image.Image:
-    """Parse the header only and apply the limits: type, bytes, pixels."""
+def _open(
+    data: bytes, *, max_pixels: int, max_bytes: int, max_decoded_bytes: int | None, label: str
+) -> Image.Image:
+    """Parse the header only and apply the limits: type, bytes, pixels, decoded bytes."""
     if not data:
         raise ApiError("empty_image", f"{label} is empty")
     if len(data) > max_bytes:
         raise ApiError("image_too_large", f"{label} is {len(data)} bytes; the limit is {max_bytes}")
     im = Image.open(io.BytesIO(data))
     if im.format not in FORMATS:
-        raise ApiError(
-            "unsupported_media_type",
-            f"{label} is {im.format}; send JPEG, PNG, WebP, GIF, BMP or TIFF",
-        )
+        raise ApiError("unsupported_media_type", f"{label} is {im.format}; send {NAMES}")
     w, h = im.size
     if w <= 0 or h <= 0:
         raise ApiError("invalid_image", f"{label} has no pixels ({w}x{h})")
@@ -104,50 +140,104 @@ def _open(data: bytes, *, max_pixels: int, max_bytes: int, label: str) -> Image.
         raise ApiError(
             "image_too_large", f"{label} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}"
         )
+    if max_decoded_bytes is not None and (n := decoded_bytes(im)) > max_decoded_bytes:
+        raise ApiError(
+            "image_too_large",
+            f"{label} ({w}x{h} {im.mode}) decodes to {n} bytes; the limit is "
+            f"{max_decoded_bytes} (--max-image-decoded-bytes)",
+        )
     return im
 
 
-def inspect(data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image") -> Header:
+def inspect(
+    data: bytes,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    max_decoded_bytes: int | None = None,
+    label: str = "image",
+) -> Header:
     """Validate without decoding pixels (tens of microseconds): the same errors as decode()."""
     with _image_errors(label):
-        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
-        orientation = int(im.getexif().get(EXIF_ORIENTATION, 1)) if im.format == "JPEG" else 1
+        im = _open(
+            data,
+            max_pixels=max_pixels,
+            max_bytes=max_bytes,
+            max_decoded_bytes=max_decoded_bytes,
+            label=label,
+        )
+        jpeg = im.format in ("JPEG", "MPO")
+        orientation = int(im.getexif().get(EXIF_ORIENTATION, 1)) if jpeg else 1
         if orientation not in range(1, 9):
             orientation = 1  # as Pillow's exif_transpose: an unknown value changes nothing
         # A JPEG without its EOI marker is routed to Pillow, which refuses it as truncated;
-        # nvJPEG could return it half-grey instead. CMYK/YCCK stay with Pillow too.
+        # nvJPEG could return it half-grey instead. CMYK/YCCK stay with Pillow too, and so does
+        # an MPO (nvJPEG is given one picture per buffer).
         gpu = (
             im.format == "JPEG"
             and im.mode in ("RGB", "L")
             and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
         )
-        return Header(str(im.format), im.size[0], im.size[1], im.mode, orientation, gpu)
+        return Header(
+            str(im.format), im.size[0], im.size[1], im.mode, orientation, gpu, decoded_bytes(im)
+        )
 
 
 def decode(
-    data: bytes, size: int, *, max_pixels: int, max_bytes: int, label: str = "image"
+    data: bytes,
+    size: int,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    max_decoded_bytes: int | None = None,
+    label: str = "image",
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize the short side to ``size`` and centre-crop."""
     with _image_errors(label):
-        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
-        if im.format == "JPEG":
+        im = _open(
+            data,
+            max_pixels=max_pixels,
+            max_bytes=max_bytes,
+            max_decoded_bytes=max_decoded_bytes,
+            label=label,
+        )
+        if im.format in ("JPEG", "MPO"):
             im.draft("RGB", (size * 2, size * 2))  # decode at reduced scale: much faster
         im.load()
-        rgb = _to_rgb(ImageOps.exif_transpose(im))
-        rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
+        ImageOps.exif_transpose(im, in_place=True)  # no copy when it is upright already
+        im = _to_8bit(im)
+        if im.mode == "L":
+            # Each channel is resized alone, so resizing grey and then making it RGB gives the
+            # same pixels as the other way round, with a third of the memory at full size.
+            rgb = ImageOps.fit(im, (size, size), Image.Resampling.BICUBIC).convert("RGB")
+        else:
+            rgb = ImageOps.fit(_to_rgb(im), (size, size), Image.Resampling.BICUBIC)
     return _chw(rgb)
 
 
 def decode_upright(
-    data: bytes, *, max_pixels: int, max_bytes: int, label: str = "image"
+    data: bytes,
+    *,
+    max_pixels: int,
+    max_bytes: int,
+    max_decoded_bytes: int | None = None,
+    label: str = "image",
 ) -> torch.Tensor:
     """Decode at full size to ``[3, H, W]`` uint8, as transformers turns a file into the image
     its processor sees: EXIF orientation applied (``transformers.image_utils.load_image``), then
     ``convert_to_rgb``. What follows (resize, crop, ...) is the model's ``app.preprocess``."""
     with _image_errors(label):
-        im = _open(data, max_pixels=max_pixels, max_bytes=max_bytes, label=label)
+        im = _open(
+            data,
+            max_pixels=max_pixels,
+            max_bytes=max_bytes,
+            max_decoded_bytes=max_decoded_bytes,
+            label=label,
+        )
         im.load()
-        rgb = to_rgb_as_transformers(ImageOps.exif_transpose(im))
+        ImageOps.exif_transpose(im, in_place=True)  # no copy when it is upright already
+        rgb = to_rgb_as_transformers(im)
+        del im
     return _chw(rgb)
 
 
@@ -156,26 +246,43 @@ def _chw(rgb: Image.Image) -> torch.Tensor:
     this module for ``inspect`` and must not load torch."""
     import torch
 
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    arr = np.array(rgb, dtype=np.uint8)  # one copy, writable: torch takes it as it is
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
 def to_rgb_as_transformers(im: Image.Image) -> Image.Image:
     """transformers' ``convert_to_rgb`` (5.2x): transparency composited onto white, everything
     else through Pillow's ``convert("RGB")`` (which saturates 16-bit values at 255, unlike
-    ``_to_rgb`` below; matching the model's processor wins here)."""
+    ``_to_8bit`` below; matching the model's processor wins here)."""
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return im.convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")  # convert() would copy an RGB image
+
+
+def _to_8bit(im: Image.Image) -> Image.Image:
+    """16-bit and 32-bit integer grey as 8-bit grey: 16-bit scaled by 255/65535 (exactly
+    ``v // 257``, in integers: no float copy of a large image), 32-bit by its maximum."""
+    if im.mode.startswith("I;16"):
+        # In strips of about STRIP_BYTES: numpy's view of a whole image would copy it twice.
+        w, h = im.size
+        out = np.empty((h, w), np.uint8)
+        rows = max(1, STRIP_BYTES // (2 * w))
+        for y in range(0, h, rows):
+            strip = np.asarray(im.crop((0, y, w, min(h, y + rows))), dtype=np.uint16)
+            out[y : y + rows] = strip // 257
+        return Image.fromarray(out, "L")
+    if im.mode == "I":
+        arr = np.asarray(im, dtype=np.float64)
+        hi = max(float(arr.max()), 1.0)
+        return Image.fromarray((arr / hi * 255.0).clip(0, 255).astype(np.uint8), "L")
+    return im
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-        arr = np.asarray(im, dtype=np.float64)
-        hi = 65535.0 if im.mode.startswith("I;16") else max(float(arr.max()), 1.0)
-        im = Image.fromarray((arr / hi * 255.0).clip(0, 255).astype(np.uint8), "L")
+    if im.mode == "RGB":
+        return im  # convert() would copy it
     if im.mode == "P" and "transparency" in im.info:
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "PA"):

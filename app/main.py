@@ -1,4 +1,4 @@
-"""The app factory. Nothing heavy happens at import; the lifespan builds pool -> encoder ->
+"""The app factory. Nothing heavy happens at import; the lifespan builds encoder -> pool ->
 batcher before the first request and tears them down in reverse."""
 
 from __future__ import annotations
@@ -118,7 +118,12 @@ def create_app(
     app.include_router(v1)
     app.include_router(ops)
     app.include_router(metrics_router)
-    app.add_middleware(ServiceMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        ServiceMiddleware,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     return app
 
 

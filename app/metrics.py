@@ -121,6 +121,11 @@ class PoolCollector(Collector):
         for tier, n in s["alloc_failures"].items():
             failures.add_metric([tier], n)
         yield failures
+        yield CounterMetricFamily(
+            "featpool_lease_slots_exhausted",
+            "Tensors refused because every lease slot was in use (bytes may have been free)",
+            value=s.get("slot_exhaustions", 0),
+        )
         quarantine = CounterMetricFamily(
             "featpool_lease_quarantine",
             "Leases whose memory was kept after they ended because a consumer still had them "

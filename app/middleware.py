@@ -1,5 +1,7 @@
 """Pure-ASGI middleware: request IDs, request metrics, the body-size limit (enforced while
-the body streams in, so a chunked upload cannot get past it either), and hang-up detection: a
+the body streams in, so a chunked upload cannot get past it either), the body timeout (a body
+that sends nothing for ``body_timeout_s`` is answered 408 and its connection closed, which
+frees what it had sent), and hang-up detection: a
 client that disconnects after sending its body but before the answer starts has its handler
 cancelled, so that work queued for it is dropped and leases made for it are released at once
 instead of living until their TTL."""
@@ -9,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,11 +40,22 @@ class _BodyTooLargeError(Exception):
     pass
 
 
+class _BodyTimeoutError(Exception):
+    pass
+
+
 class ServiceMiddleware:
-    def __init__(self, app: ASGIApp, metrics: HttpMetrics, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: HttpMetrics,
+        max_body_bytes: int,
+        body_timeout_s: float | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +95,14 @@ class ServiceMiddleware:
 
         async def receive_wrapper() -> Message:
             nonlocal received, watcher
-            message = await receive()
+            if watcher is None and self.body_timeout_s is not None:
+                # Still reading the body: each piece must come within the timeout.
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                except TimeoutError:
+                    raise _BodyTimeoutError from None
+            else:
+                message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
@@ -111,6 +133,23 @@ class ServiceMiddleware:
                     "error": {
                         "type": "payload_too_large",
                         "message": f"request body exceeds {self.max_body_bytes} bytes",
+                    }
+                },
+            )
+        except _BodyTimeoutError:
+            if response_started:
+                raise
+            TRIMMER.request()  # what the stalled body had sent goes back to the system
+            status = 408
+            self.metrics.rejected.labels("body_timeout").inc()
+            await _send_json(
+                send_wrapper,
+                408,
+                {
+                    "error": {
+                        "type": "body_timeout",
+                        "message": f"the request body sent nothing for {self.body_timeout_s} s "
+                        f"(--body-timeout-s); {received} bytes had arrived",
                     }
                 },
             )
@@ -145,3 +184,55 @@ async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
         }
     )
     await send({"type": "http.response.body", "body": data})
+
+
+class HeapTrimmer:
+    """Gives freed heap memory back to the system (glibc ``malloc_trim``) after a burst of
+    large, short-lived buffers, such as bodies cut off by a timeout. Python frees them, but
+    glibc keeps the pages: RSS stayed ~170 MiB up after 40 stalled 5 MiB uploads had been
+    answered. Trims run on a thread of their own (ctypes lets go of the GIL), one at a time,
+    at most one every ``interval_s``, the last one after the burst has ended."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._running = False
+        self._trim = _malloc_trim()
+        self.trims = 0
+
+    def request(self) -> None:
+        if self._trim is None:
+            return
+        with self._lock:
+            self._wanted = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="featpool-trim", daemon=True).start()
+
+    def _run(self) -> None:
+        import time
+
+        assert self._trim is not None
+        while True:
+            time.sleep(self.interval_s)  # let the burst free what it holds first
+            with self._lock:
+                if not self._wanted:
+                    self._running = False
+                    return
+                self._wanted = False
+            self._trim(0)
+            self.trims += 1
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
+        return None
+
+
+TRIMMER = HeapTrimmer()  # one per process

@@ -31,10 +31,10 @@ from app.engine_client import (
 )
 from app.errors import ApiError
 from app.featindex import check_id, scope_of
-from app.imaging import Header, check_content_type, inspect
+from app.imaging import Header, check_content_type, inspect, request_decoded_bytes
 from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
-from pool.descriptor import EncodeResponse, FeatureInfo, LeaseDescriptor
+from pool.descriptor import MIN_TTL_S, EncodeResponse, FeatureInfo, LeaseDescriptor
 
 
 def _api_keys(settings: Settings) -> list[str]:
@@ -62,11 +62,16 @@ def caller_scope(request: Request) -> str:
 
 class RenewIn(BaseModel):
     ttl_s: float | None = Field(
-        None, gt=0, description="new deadline from now; default TTL if unset"
+        None,
+        ge=MIN_TTL_S,
+        description=f"new deadline from now, at least {MIN_TTL_S} s; default TTL if unset",
     )
 
 
-TtlQuery = Annotated[float | None, Query(gt=0, description="lease deadline in seconds")]
+TtlQuery = Annotated[
+    float | None,
+    Query(ge=MIN_TTL_S, description=f"lease deadline in seconds, at least {MIN_TTL_S}"),
+]
 PooledQuery = Annotated[
     bool,
     Query(description="publish the mean over tokens, shape [D], instead of every token, [T, D]"),
@@ -190,10 +195,8 @@ async def admit_and_encode(
     admitted = False
     try:
         with admission.try_acquire(len(images)) as permit:
-            headers = await inspector.run(
-                _inspect_all, images, s.max_image_pixels, s.max_image_bytes
-            )
-            permit.grow(sum(h.decoded_bytes for h in headers))
+            headers = await inspector.run(_inspect_all, images, s)
+            permit.grow(request_decoded_bytes(headers, s.max_request_decoded_bytes))
             admitted = True
             return await client.encode(
                 [ImageIn(label, data, h) for (label, data), h in zip(images, headers, strict=True)],
@@ -213,11 +216,18 @@ async def admit_and_encode(
             metrics.admission.labels("admitted").inc(len(images))
 
 
-def _inspect_all(
-    images: Sequence[tuple[str, bytes]], max_pixels: int, max_bytes: int
-) -> list[Header]:
+def _inspect_all(images: Sequence[tuple[str, bytes]], s: Settings) -> list[Header]:
     """On the inspector's threads: one hop per request, not per image."""
-    return [inspect(d, max_pixels=max_pixels, max_bytes=max_bytes, label=lb) for lb, d in images]
+    return [
+        inspect(
+            d,
+            max_pixels=s.max_image_pixels,
+            max_bytes=s.max_image_bytes,
+            max_decoded_bytes=s.max_image_decoded_bytes,
+            label=lb,
+        )
+        for lb, d in images
+    ]
 
 
 async def _multipart_images(

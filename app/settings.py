@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pool.descriptor import MIN_TTL_S
 from pool.protocol import parse_host_port
 
 MiB = 1 << 20
@@ -55,9 +56,16 @@ class Settings(BaseSettings):
         128 * MiB, gt=0, description="size of one slab (rounded to granularity)"
     )
     inline_max_bytes: int = Field(256 * MiB, ge=0, description="bound on inline (HTTP-only) leases")
-    max_leases: int = Field(4096, gt=0, description="lease slots in the control block")
-    lease_ttl_s: float = Field(60.0, gt=0, description="default lease deadline")
-    max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest deadline a client may ask")
+    max_leases: int = Field(
+        0,
+        ge=0,
+        description="lease slots in the control block; 0: enough that the tiers' bytes run out "
+        "before the slots do at the encoder's feature size (at least 4096)",
+    )
+    lease_ttl_s: float = Field(60.0, ge=MIN_TTL_S, description="default lease deadline")
+    max_lease_ttl_s: float = Field(
+        3600.0, ge=MIN_TTL_S, description="longest deadline a client may ask"
+    )
     quarantine_s: float = Field(
         300.0,
         gt=0,
@@ -125,9 +133,27 @@ class Settings(BaseSettings):
 
     # Input limits
     max_body_bytes: int = Field(32 * MiB, gt=0, description="largest request body")
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request body that sends nothing for this long is answered 408 and "
+        "its connection closed",
+    )
+    max_url_bytes: int = Field(8192, gt=0, description="longest request URL; beyond -> 414")
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="largest request header block; beyond -> 431"
+    )
     max_image_bytes: int = Field(16 * MiB, gt=0, description="largest single image")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb limit")
     max_images_per_request: int = Field(64, gt=0, description="image parts per request")
+    # Decoded bytes: width x height x channels x bytes per sample, read from the headers and
+    # refused (413) before any pixel is decoded. A 40 Mpx 8-bit RGB photo is 120 MB.
+    max_image_decoded_bytes: int = Field(
+        128 * MiB, gt=0, description="decoded bytes of one image; beyond -> 413"
+    )
+    max_request_decoded_bytes: int = Field(
+        256 * MiB, gt=0, description="decoded bytes of all images of one request; beyond -> 413"
+    )
 
     # Content-addressed features
     feature_cache_entries: int = Field(

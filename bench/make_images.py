@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +47,48 @@ def photo_jpeg(
     buf = io.BytesIO()
     Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=quality)
     return buf.getvalue()
+
+
+def upscaled_photo(side: int, grey: bool = False) -> np.ndarray:
+    """scikit-image's astronaut photo, upscaled (nearest) to side x side, as 16-bit samples."""
+    import skimage.data
+
+    photo = skimage.data.astronaut()
+    idx = np.arange(side) * photo.shape[0] // side
+    big = photo[idx][:, idx].astype(np.uint16) * 257
+    return big.mean(-1).astype(np.uint16) if grey else big
+
+
+def png16(arr: np.ndarray) -> bytes:
+    """A 16-bit PNG (grey or RGB) of ``arr``, written here because Pillow writes 16 bits only
+    for grey. Each row is filtered 'up' when it repeats the one above, else 'sub', so an
+    upscaled photo compresses to little (as a hostile client would send it)."""
+    h, w = arr.shape[:2]
+    channels = 1 if arr.ndim == 2 else arr.shape[2]
+    bpp = 2 * channels
+    rows = np.frombuffer(arr.astype(">u2").tobytes(), np.uint8).reshape(h, w * bpp)
+    sub = rows.copy()
+    sub[:, bpp:] = rows[:, bpp:] - rows[:, :-bpp]
+    up = np.zeros_like(rows)
+    up[1:] = rows[1:] - rows[:-1]
+    repeat = np.zeros(h, bool)
+    repeat[1:] = (rows[1:] == rows[:-1]).all(1)
+    body = np.concatenate(
+        [np.where(repeat, 2, 1).astype(np.uint8)[:, None], np.where(repeat[:, None], up, sub)],
+        axis=1,
+    )
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    color = {1: 0, 3: 2, 4: 6}[channels]
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, color, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(body.tobytes(), 6))
+        + chunk(b"IEND", b"")
+    )
 
 
 def main() -> None:

@@ -18,6 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The shortest lease deadline anyone may ask for: below it a lease would expire before its
+# descriptor reached the client (?ttl_s=1e-300 used to answer 200 with an expired lease).
+MIN_TTL_S = 0.01
+
 
 class LeaseDescriptor(BaseModel):
     """One lease: where its tensor lives and how to check that it is still the one you asked

@@ -16,6 +16,12 @@ class PoolExhausted(PoolError):
     type = "pool_exhausted"
 
 
+class SlotsExhausted(PoolExhausted):
+    """Every lease slot is in use, whatever bytes are free: counted apart from full tiers."""
+
+    type = "lease_slots_exhausted"
+
+
 class TensorTooLarge(PoolError):
     """The tensor is larger than any slab of any tier: it can never be placed."""
 

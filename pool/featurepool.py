@@ -3,7 +3,8 @@ one lock. This is what the HTTP service and the hand-off server talk to.
 
 Placement follows a fallback chain (GPU tier -> host tier -> inline) under a policy:
   fallback  try each tier in order, then keep the tensor inline (served over HTTP only);
-  wait      use the first tier only; if it is full, wait up to ``wait_s`` for releases, then fail;
+  wait      use the first tier only; if it is full, wait for releases, then fail: up to
+            ``wait_s`` for a whole ``put_many`` batch, not per tensor;
   reject    use the first tier only; if it is full, fail at once.
 Every step down the chain is counted by reason.
 
@@ -13,6 +14,9 @@ consumer that opened it has acked it or detached; if it ends earlier (deadline, 
 slot and memory are quarantined, not reused, until they have, or until ``quarantine_s`` more
 seconds passed (after which only that consumer's own reads can see new bytes).
 docs/protocol.md section 4 states the rule.
+Every lease takes a slot of the control block too; running out of slots is counted apart
+(``slot_exhaustions``, SlotsExhausted). Nothing is copied while the lock is held: the inline
+tier's device -> host copy runs after reservation.
 """
 
 from __future__ import annotations
@@ -32,8 +36,15 @@ import torch
 from pool.allocator import Extent, SlabAllocator
 from pool.backends.base import Backend
 from pool.control import AckBlock, ControlBlock, full_fence, reopen_read_only
-from pool.descriptor import LeaseDescriptor
-from pool.errors import InvalidTensor, PoolError, PoolExhausted, StaleLease, TensorTooLarge
+from pool.descriptor import MIN_TTL_S, LeaseDescriptor
+from pool.errors import (
+    InvalidTensor,
+    PoolError,
+    PoolExhausted,
+    SlotsExhausted,
+    StaleLease,
+    TensorTooLarge,
+)
 from pool.leases import Lease, LeaseState, LeaseTable
 from pool.protocol import PROTOCOL_VERSION
 
@@ -49,6 +60,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def epoch_hex(epoch: int) -> str:
     return f"{epoch:016x}"
+
+
+def lease_slots(capacity_bytes: int, feature_bytes: int, *, floor: int = 4096) -> int:
+    """Slots for a pool of ``capacity_bytes`` (every tier and inline) such that, at
+    ``feature_bytes`` a lease, the bytes run out before the slots do. Capped at 1 Mi slots
+    (a 16 MiB control block); smaller features than the default can still use every slot."""
+    need = -(-capacity_bytes // max(feature_bytes, 1))
+    return max(floor, min(need, 1 << 20))
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -140,6 +159,7 @@ class FeaturePool:
         self.expired: Counter[str] = Counter()  # by tier
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
         self.alloc_failures: Counter[str] = Counter()  # by tier
+        self.slot_exhaustions = 0  # tensors refused because every lease slot was taken
         self.quarantine: Counter[str] = Counter()  # by outcome: held, released, timed_out
         self.consumers_attached = 0  # kept by the hand-off server
         self.remote_consumers_attached = 0  # of those, on other nodes (kept by the TCP server)
@@ -158,8 +178,8 @@ class FeaturePool:
 
     def clamp_ttl(self, ttl_s: float | None) -> float:
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
-        if not ttl > 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if not ttl >= MIN_TTL_S:
+            raise ValueError(f"ttl_s must be at least {MIN_TTL_S} s, got {ttl_s}")
         return min(ttl, self.max_ttl_s)
 
     def put(self, tensor: torch.Tensor, ttl_s: float | None = None) -> Lease:
@@ -170,13 +190,17 @@ class FeaturePool:
         """
         ttl = self.clamp_ttl(ttl_s)
         tensor = self._checked(tensor)
-        lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
-        if tier is not None:
-            try:
+        lease, tier = self._reserve(
+            tensor, tensor.numel() * tensor.element_size(), ttl, self._deadline()
+        )
+        try:
+            if tier is not None:
                 self._publish(tier, [(lease, tensor)])
-            except BaseException:
-                self._undo([lease])
-                raise
+            else:
+                self._fill_inline([(lease, tensor)])
+        except BaseException:
+            self._undo([lease])
+            raise
         self._mark_ready([lease])
         return lease
 
@@ -187,25 +211,33 @@ class FeaturePool:
 
         A backend with ``publish_many`` publishes the whole batch in one go (on the GPU: one
         copy launch for every tensor), which keeps host time per lease low when the Python
-        process is busy with other threads. A bad TTL raises ValueError for all.
+        process is busy with other threads. Under ``wait`` the batch shares one deadline:
+        it waits up to ``wait_s`` for its space in all, not that long for each tensor. A bad
+        TTL raises ValueError for all.
         """
         ttl = self.clamp_ttl(ttl_s)
+        deadline = self._deadline()
         results: list[Lease | PoolError] = []
         placed: dict[str, list[tuple[Lease, torch.Tensor]]] = {}  # by tier name
+        inline: list[tuple[Lease, torch.Tensor]] = []
         for given in tensors:
             try:
                 tensor = self._checked(given)
-                lease, tier = self._reserve(tensor, tensor.numel() * tensor.element_size(), ttl)
+                nbytes = tensor.numel() * tensor.element_size()
+                lease, tier = self._reserve(tensor, nbytes, ttl, deadline)
             except PoolError as e:
                 results.append(e)
                 continue
             results.append(lease)
             if tier is not None:
                 placed.setdefault(tier.name, []).append((lease, tensor))
+            else:
+                inline.append((lease, tensor))
         leases = [r for r in results if isinstance(r, Lease)]
         try:
             for name, items in placed.items():
                 self._publish(self.tier(name), items)
+            self._fill_inline(inline)
         except BaseException:
             self._undo(leases)
             raise
@@ -235,6 +267,16 @@ class FeaturePool:
             assert lease.extent is not None
             backend.publish(lease.extent, t, self.ctrl, lease.slot, lease.generation)
 
+    @staticmethod
+    def _fill_inline(items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
+        """The inline tier's copy to host memory, outside the lock: from a GPU tensor it waits
+        for the device, and the event loop takes the same lock to answer lease requests."""
+        for lease, tensor in items:
+            lease.inline = tensor.to("cpu", copy=True)
+
+    def _deadline(self) -> float:
+        return self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
+
     def _undo(self, leases: Sequence[Lease]) -> None:
         """A publish failed: what was reserved goes back; published or not, nobody has it."""
         with self._lock:
@@ -247,6 +289,8 @@ class FeaturePool:
             for lease in leases:
                 if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
                     self.leases.mark_ready(lease.id)
+                    if lease.tier == INLINE:
+                        self.ctrl.set_ready(lease.slot, lease.generation)
 
     def _candidates(self, tensor: torch.Tensor) -> list[Tier]:
         tiers = self.tiers
@@ -260,7 +304,14 @@ class FeaturePool:
                 )
         return tiers if self.policy == "fallback" else tiers[:1]
 
-    def _reserve(self, tensor: torch.Tensor, nbytes: int, ttl: float) -> tuple[Lease, Tier | None]:
+    def _reserve(
+        self, tensor: torch.Tensor, nbytes: int, ttl: float, deadline: float | None = None
+    ) -> tuple[Lease, Tier | None]:
+        """A lease (slot and storage) for ``tensor``, waiting until ``deadline`` (a batch's,
+        or this tensor's own) under the ``wait`` policy; the caller fills the storage,
+        outside the lock."""
+        if deadline is None:
+            deadline = self._deadline()
         candidates = self._candidates(tensor)
         if (
             candidates
@@ -271,16 +322,17 @@ class FeaturePool:
                 f"{nbytes} bytes is larger than a whole slab "
                 f"({candidates[0].allocator.max_extent} bytes); raise the slab size"
             )
-        deadline = self.clock() + (self.wait_s if self.policy == "wait" else 0.0)
         with self._lock:
             reaped = False
-            if len(self.leases) + len(self._held) >= self.leases.max_slots:  # acks may wait
+            # Live and quarantined leases both hold slots; acks may be waiting to free some.
+            if self.leases.free_slots == 0:
                 self._reap_locked(self._remote_acks())
                 reaped = True
             while True:
                 # Why the first tier refused, counted once the tensor lands lower in the chain.
                 reason = "no_tier_for_device" if not candidates and self.tiers else None
-                for tier in candidates:
+                slots = self.leases.free_slots > 0
+                for tier in candidates if slots else []:
                     extent = tier.allocator.allocate(nbytes)
                     if extent is None:
                         self.alloc_failures[tier.name] += 1
@@ -298,12 +350,18 @@ class FeaturePool:
                     reaped = True
                     continue
                 reaped = True
-                if self.policy == "fallback":
+                remaining = deadline - self.clock()
+                if not slots and (self.policy != "wait" or remaining <= 0):
+                    self.slot_exhaustions += 1
+                    raise SlotsExhausted(
+                        f"all {self.leases.max_slots} lease slots are in use (bytes may be "
+                        f"free); raise --max-leases, shorten TTLs or release leases"
+                    )
+                if slots and self.policy == "fallback":
                     lease = self._inline_locked(tensor, nbytes, ttl)
                     if reason is not None:
                         self.fallbacks[(reason, INLINE)] += 1
                     return lease, None
-                remaining = deadline - self.clock()
                 if remaining <= 0:
                     name = candidates[0].name if candidates else "any"
                     raise PoolExhausted(
@@ -346,10 +404,8 @@ class FeaturePool:
             nbytes=nbytes,
             ttl_s=ttl,
         )
-        lease.inline = tensor.to("cpu", copy=True)
-        self.inline_bytes += nbytes
+        self.inline_bytes += nbytes  # the copy is made by _fill_inline, outside the lock
         self.ctrl.set_gen(lease.slot, lease.generation)
-        self.ctrl.set_ready(lease.slot, lease.generation)
         self.created[INLINE] += 1
         return lease
 
@@ -687,6 +743,7 @@ class FeaturePool:
                 "expired": dict(self.expired),
                 "fallbacks": dict(self.fallbacks),
                 "alloc_failures": dict(self.alloc_failures),
+                "slot_exhaustions": self.slot_exhaustions,
                 "quarantine": dict(self.quarantine),
                 "quarantined_leases": len(self._held),
                 "quarantined_bytes": sum(lease.nbytes for lease in self._held.values()),

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 from pool.allocator import Extent
-from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
+from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, SlotsExhausted
 
 GEN_MAX = 2**32 - 1  # generations are u32 words in the control block; 0 means "never used"
 
@@ -80,6 +80,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._active)
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._active.values()))
 
@@ -94,7 +98,7 @@ class LeaseTable:
         ttl_s: float,
     ) -> Lease:
         if not self._free_slots:
-            raise PoolExhausted(f"all {self.max_slots} lease slots are in use")
+            raise SlotsExhausted(f"all {self.max_slots} lease slots are in use")
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         slot, _ = self._free_slots.popitem(last=False)

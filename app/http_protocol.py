@@ -1,0 +1,106 @@
+"""uvicorn's HTTP/1.1 protocol with featpool's limits and error shape.
+
+uvicorn answers what it cannot parse itself (``Content-Length: -1``, a broken request line,
+bad chunked framing, an invalid header) with a plain-text 400, before any middleware runs.
+The subclasses here answer those in the service's JSON shape ``{"error": {"type",
+"message"}}``, and bound what httptools does not: the URL (414) and the header block (431),
+counted while they arrive so that neither can grow without limit. ``http_protocol(settings)``
+is the class to give uvicorn (``http=``): httptools where installed, as uvicorn's ``auto``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from app.settings import Settings
+
+REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+
+
+def error_bytes(status: int, kind: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response carrying the JSON error; the connection closes after it."""
+    body = json.dumps({"error": {"type": kind, "message": message}}).encode()
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n" % (status, REASONS.get(status, b"Error"), len(body))
+    )
+    return head + body
+
+
+MALFORMED = (
+    "malformed HTTP request (request line, headers, Content-Length or chunked framing); "
+    "nothing was processed"
+)
+
+
+LINGER_S = 2.0
+
+
+class _LimitExceeded(Exception):
+    pass
+
+
+def http_protocol(settings: Settings) -> type[Any]:
+    """The protocol class for uvicorn, with ``settings``' URL and header limits."""
+    max_url = settings.max_url_bytes
+    max_headers = settings.max_header_bytes
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: h11, whose own event-size bound covers URL + headers
+
+        class JsonH11(H11Protocol):
+            def send_400_response(self, msg: str) -> None:
+                self.transport.write(error_bytes(400, "invalid_request", MALFORMED))
+                self.transport.close()
+
+        return JsonH11
+
+    class JsonHttpTools(HttpToolsProtocol):
+        _limit: tuple[int, str, str] | None = None
+        _header_bytes = 0
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._limit = None
+            self._header_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            if len(self.url) > max_url:
+                self._refuse(414, "uri_too_long", f"the URL exceeds {max_url} bytes")
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_bytes += len(name) + len(value) + 4
+            if self._header_bytes > max_headers:
+                self._refuse(
+                    431, "headers_too_large", f"the request headers exceed {max_headers} bytes"
+                )
+            super().on_header(name, value)
+
+        def _refuse(self, status: int, kind: str, message: str) -> None:
+            # Raising stops the parser: httptools reports it as a parser error, which uvicorn
+            # answers through send_400_response, below, with this answer instead.
+            self._limit = (status, kind, message)
+            raise _LimitExceeded(message)
+
+        def send_400_response(self, msg: str) -> None:
+            status, kind, message = self._limit or (400, "invalid_request", MALFORMED)
+            self.transport.write(error_bytes(status, kind, message))
+            # A lingering close: closing with the client's bytes unread would reset the
+            # connection and could destroy the answer before the client reads it. Send FIN,
+            # drop whatever still arrives, close for good after LINGER_S at most.
+            self._draining = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+        _draining = False
+
+        def data_received(self, data: bytes) -> None:
+            if not self._draining:
+                super().data_received(data)
+
+    return JsonHttpTools

@@ -1,0 +1,141 @@
+"""Decoded bytes (width x height x channels x bytes per sample, 16-bit counted) bounded per
+image and per request, refused before any pixel is decoded (across requests in flight the
+admission permit bounds them: tests/test_entrance.py); and the decode's own working memory
+kept close to that count."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import skimage.data
+from fastapi.testclient import TestClient
+from PIL import Image, ImageOps
+
+import app.engine
+from app.imaging import decode, decoded_bytes, inspect
+from bench.make_images import png16, upscaled_photo
+from tests.conftest import occupancy
+
+LIMITS: dict[str, Any] = {"max_pixels": 40_000_000, "max_bytes": 64 << 20}
+
+
+def saved(im: Image.Image, fmt: str = "PNG", **kw: Any) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def photo(side: int = 300) -> Image.Image:
+    return Image.fromarray(skimage.data.astronaut()).resize((side, side))
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "per_pixel"),
+    [
+        ("rgb 8-bit png", saved(photo()), 3),
+        ("rgb 8-bit jpeg", saved(photo(), "JPEG"), 3),
+        ("rgba png", saved(photo().convert("RGBA")), 4),
+        ("grey 8-bit png", saved(photo().convert("L")), 1),
+        ("palette png", saved(photo().convert("P")), 3),
+        ("1-bit png", saved(photo().convert("1")), 1),
+        ("grey 16-bit png", png16(upscaled_photo(300, grey=True)), 2),
+        ("rgb 16-bit png", png16(upscaled_photo(300)), 6),
+    ],
+)
+def test_decoded_bytes_from_the_header(name: str, data: bytes, per_pixel: int) -> None:
+    h = inspect(data, **LIMITS)
+    assert h.decoded_bytes == 300 * 300 * per_pixel, name
+    assert decoded_bytes(Image.open(io.BytesIO(data))) == h.decoded_bytes
+
+
+def test_one_image_over_its_decoded_limit_is_413_before_decode() -> None:
+    data = png16(upscaled_photo(300))  # 540,000 decoded bytes, 8-bit RGB would be 270,000
+    inspect(data, **LIMITS, max_decoded_bytes=540_000)
+    for f in (inspect, lambda d, **kw: decode(d, 32, **kw)):
+        with pytest.raises(app.engine.ApiError) as e:
+            f(data, **LIMITS, max_decoded_bytes=539_999)
+        assert e.value.status == 413 and e.value.type == "image_too_large"
+        assert "decodes to 540000 bytes" in e.value.message
+
+
+def _old_decode(data: bytes, size: int) -> np.ndarray:
+    """The decode before its memory was cut: float 16-bit scaling, RGB first, then fit."""
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    im = ImageOps.exif_transpose(im)
+    if im.mode.startswith("I;16"):
+        arr = np.asarray(im, dtype=np.float64)
+        im = Image.fromarray((arr / 65535.0 * 255.0).clip(0, 255).astype(np.uint8), "L")
+    rgb = ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BICUBIC)
+    return np.asarray(rgb).transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("kind", ["grey16", "rgb16", "grey8", "rgb8"])
+def test_leaner_decode_gives_the_same_pixels(kind: str) -> None:
+    if kind.endswith("16"):
+        data = png16(upscaled_photo(517, grey=kind == "grey16"))
+    else:
+        im = Image.fromarray(skimage.data.camera() if kind == "grey8" else skimage.data.coffee())
+        data = saved(im)
+    want = _old_decode(data, 64)
+    got = decode(data, 64, **LIMITS).numpy()
+    assert np.array_equal(got, want)
+
+
+# ---- through the HTTP stack ------------------------------------------------------------------
+
+GREY = png16(upscaled_photo(200, grey=True))  # 80,000 decoded bytes each
+RGB16 = png16(upscaled_photo(200))  # 240,000
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = app.engine.decode
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(app.engine, "decode", counting)
+    return calls
+
+
+def post(client: TestClient, *images: bytes) -> Any:
+    files = [("image", (f"{i}.png", d, "image/png")) for i, d in enumerate(images)]
+    return client.post("/v1/encode", files=files)
+
+
+def test_hostile_request_is_413_before_any_decode(
+    make_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's request scaled down: four 16-bit PNGs, each within the pixel cap."""
+    client = make_client(max_image_decoded_bytes=200_000, max_request_decoded_bytes=250_000)
+    decodes = _count_decodes(monkeypatch)
+    r = post(client, GREY, GREY, GREY, GREY)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["type"] == "payload_too_large" and "320000 bytes" in err["message"]
+    assert "--max-request-decoded-bytes" in err["message"]
+    r = post(client, GREY, RGB16)  # one image over its own limit
+    assert r.status_code == 413 and r.json()["error"]["type"] == "image_too_large"
+    assert decodes == []
+    assert post(client, GREY, GREY, GREY).status_code == 200  # 240,000: within both
+    assert len(decodes) == 3
+    assert client.app.state.admission.bytes == 0  # type: ignore[attr-defined]
+    metrics = client.get("/metrics").text
+    assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
+
+
+def test_decoded_bytes_are_given_back_when_a_decode_fails(
+    make_client: Callable[..., TestClient],
+) -> None:
+    client = make_client()
+    truncated = GREY[: len(GREY) // 2] + GREY[-12:]  # header fine, pixels cut short
+    r = post(client, GREY, truncated)
+    assert r.status_code == 400, r.text
+    assert client.app.state.admission.bytes == 0  # type: ignore[attr-defined]
+    assert occupancy(client) == (0, 0)

@@ -1,0 +1,165 @@
+"""What the HTTP server answers itself, as a user runs it (``python -m app``): malformed
+requests, an over-long URL or header block, and bodies that stall, all in the JSON error
+shape; a stalled body is answered 408 and its connection closed at the timeout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import image_bytes
+from tests.helpers import server_process, wait_until
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, int]]:
+    tmp = tmp_path_factory.mktemp("http-limits")
+    with server_process(tmp / "featpool.sock", tmp / "server.log", "--body-timeout-s", "1.5") as (
+        url,
+        proc,
+    ):
+        yield url, int(url.rsplit(":", 1)[1]), proc.pid
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes; read the answer until the server closes: (status, headers, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def json_error(body: bytes) -> dict[str, str]:
+    err = json.loads(body)["error"]
+    assert set(err) == {"type", "message"}
+    return err  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("name", "request_bytes", "status", "kind"),
+    [
+        (
+            "content-length -1",
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Content-Length: -1\r\n\r\n",
+            400,
+            "invalid_request",
+        ),
+        (
+            "content-length not a number",
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            400,
+            "invalid_request",
+        ),
+        ("broken request line", b"GARBAGE\r\n\r\n", 400, "invalid_request"),
+        (
+            "space in a header name",
+            b"GET /health/live HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+            400,
+            "invalid_request",
+        ),
+        (
+            "bad chunk size",
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+            400,
+            "invalid_request",
+        ),
+        (
+            "url over 8 KiB",
+            b"GET /v1/pool?" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            414,
+            "uri_too_long",
+        ),
+        (
+            "url of 1 MiB",
+            b"GET /v1/leases/" + b"a" * MiB + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            414,
+            "uri_too_long",
+        ),
+        (
+            "headers over 64 KiB",
+            b"GET /health/live HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 1000) for i in range(80))
+            + b"\r\n",
+            431,
+            "headers_too_large",
+        ),
+    ],
+)
+def test_what_the_server_answers_itself_is_json(
+    server: tuple[str, int, int], name: str, request_bytes: bytes, status: int, kind: str
+) -> None:
+    url, port, _ = server
+    got, headers, body = exchange(port, request_bytes)
+    assert got == status, (name, body)
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert json_error(body)["type"] == kind
+    assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
+
+
+def test_limits_leave_normal_requests_alone(server: tuple[str, int, int]) -> None:
+    url, _, _ = server
+    r = httpx.get(f"{url}/v1/pool?" + "a" * 4000, headers={f"x-{i}": "v" * 500 for i in range(40)})
+    assert r.status_code == 200
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_stalled_bodies_are_answered_408_closed_and_their_memory_freed(
+    server: tuple[str, int, int],
+) -> None:
+    """40 uploads that send half their body (4 MiB) and stall: each gets a JSON 408 and its
+    connection closed once the body has sent nothing for --body-timeout-s (1.5 s here), and
+    what they had sent no longer holds the server's memory."""
+    url, port, pid = server
+    half = image_bytes("PNG", size=(1500, 1500))[: 4 * MiB]
+    before = rss_mib(pid)
+    socks = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            b"Content-Length: %d\r\n\r\n" % (2 * len(half))
+        )
+        s.sendall(half)
+        socks.append(s)
+    sent = time.monotonic()
+    time.sleep(0.5)
+    during = rss_mib(pid)
+    answers = []
+    for s in socks:
+        out = b""
+        while chunk := s.recv(65536):  # the server closes the connection after its answer
+            out += chunk
+        s.close()
+        answers.append(out)
+    waited = time.monotonic() - sent
+    for out in answers:
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), out[:200]
+        err = json_error(body)
+        assert err["type"] == "body_timeout" and "1.5 s" in err["message"]
+    assert waited < 20  # answered at the timeout, not held open indefinitely
+    assert during - before > 80  # the half bodies were held while they stalled
+    wait_until(lambda: rss_mib(pid) - before < (during - before) / 4, 5)
+    assert rss_mib(pid) - before < (during - before) / 4, (before, during, rss_mib(pid))
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'featpool_rejected_total{reason="body_timeout"} 40.0' in metrics
+    assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
