@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -18,14 +18,14 @@ from app.admission import BoundedExecutor
 from app.backends import Capabilities, build_backends, resolve_device
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
-from app.encoders.base import Encoder
+from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
-from app.preprocess import ImageSpec
+from app.preprocess import ImageSpec, orient
 from app.settings import Settings
 from pool.descriptor import LeaseDescriptor
 from pool.errors import (
@@ -38,7 +38,7 @@ from pool.errors import (
     StaleLease,
 )
 from pool.featurepool import FeaturePool, lease_slots
-from pool.leases import Lease
+from pool.leases import ImageGrid, Lease
 from pool.server import FabricHandoffServer, HandoffServer
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ class Published:
 class Job:
     label: str
     ttl_s: float | None
-    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing,
-    # [3, H, W] at full size, upright)
+    # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing or a
+    # dynamic encoder, [3, H, W] at full size, upright)
     pixels: torch.Tensor | None = None
     jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
@@ -112,7 +112,10 @@ class Job:
 
 class Engine:
     def __init__(
-        self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        encoder: Encoder | DynamicEncoder | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -122,7 +125,7 @@ class Engine:
         self.pool: FeaturePool | None = None
         self.server: HandoffServer | None = None
         self.fabric_server: FabricHandoffServer | None = None
-        self.encoder: Encoder | None = None
+        self.encoder: Encoder | DynamicEncoder | None = None
         self.batcher: Batcher[Job, Lease] | None = None
         self.jpeg: JpegDecoder | None = None
         # Bounded like admission: admitted images never find it full; anything else does.
@@ -180,9 +183,12 @@ class Engine:
         self.server.start()
         self._start_remote()
         self.jpeg = await asyncio.to_thread(JpegDecoder.create, self.device, s.gpu_decode)
-        self._mean = torch.tensor(encoder.mean, device=self.device).view(1, 3, 1, 1) * 255
-        self._std = torch.tensor(encoder.std, device=self.device).view(1, 3, 1, 1) * 255
-        self._spec = getattr(encoder, "preprocess_spec", None)
+        self._spec = None
+        if not is_dynamic(encoder):  # a dynamic encoder normalises by its own processor
+            fixed = cast(Encoder, encoder)
+            self._mean = torch.tensor(fixed.mean, device=self.device).view(1, 3, 1, 1) * 255
+            self._std = torch.tensor(fixed.std, device=self.device).view(1, 3, 1, 1) * 255
+            self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
             and not s.encoder_compile
@@ -190,7 +196,7 @@ class Engine:
             and self.device.type == "cuda"
         )
         if graphs:
-            encoder.enable_cuda_graphs()  # type: ignore[attr-defined]
+            encoder.enable_cuda_graphs()  # type: ignore[union-attr]
         if (
             (s.encoder_compile or graphs)
             and self.device.type == "cuda"
@@ -217,12 +223,17 @@ class Engine:
         """--max-leases 0: enough slots that, at the encoder's (unpooled) feature size, every
         tier and the inline bound run out of bytes before the slots run out."""
         assert self.encoder is not None
-        rows, dim = self.encoder.output_shape
+        rows, dim = self.encoder.output_shape  # type: ignore[union-attr]
+        if is_dynamic(self.encoder):
+            # Tokens vary per image: size the slots for a small one (448 px square), so that
+            # bytes still run out before slots for almost every image.
+            t, h, w = cast(DynamicEncoder, self.encoder).grid(448, 448)
+            rows = t * h * w // int(getattr(self.encoder, "merge_unit", 1))
         feature = rows * dim * self.encoder.dtype.itemsize
         capacity = sum(sum(b.slab_sizes) for b in backends) + self.settings.inline_max_bytes
         return lease_slots(capacity, feature)
 
-    def _build_encoder(self) -> Encoder:
+    def _build_encoder(self) -> Encoder | DynamicEncoder:
         s = self.settings
         dtype = None if s.dtype == "auto" else getattr(torch, s.dtype)
         return build_encoder(
@@ -311,7 +322,8 @@ class Engine:
                 self.pool.clamp_ttl(ttl_s)  # reject a bad TTL before doing any work
             except ValueError as e:
                 raise ApiError("validation_error", str(e)) from None
-        size = self.encoder.image_size
+        # A dynamic encoder takes each image at its full size and resizes it by its own rule.
+        size = None if is_dynamic(self.encoder) else cast(Encoder, self.encoder).image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
             Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
@@ -347,25 +359,24 @@ class Engine:
     # ---- content-addressed features (app/featindex.py) --------------------------------------
 
     def identity(self, pooled: bool, dtype: torch.dtype | None) -> dict[str, Any]:
-        """What the features of given bytes depend on, besides the bytes."""
+        """What the features of given bytes depend on, besides the bytes: the model, its
+        preprocessing (a fixed-size tower's size, mean, std and processor configuration, or a
+        dynamic tower's processor: pixel budget, patch and merge sizes), and the dtype."""
         enc = self.encoder
         assert enc is not None
+        pre = getattr(enc, "pre", None) if is_dynamic(enc) else self._spec
         return {
             "encoder": enc.name,
             "weights": str(self.settings.encoder_weights or ""),
-            "image_size": enc.image_size,
-            "mean": list(enc.mean),
-            "std": list(enc.std),
-            "output_shape": list(enc.output_shape),
-            "preprocess": repr(self._spec) if self._spec is not None else "",
+            "image_size": getattr(enc, "image_size", None),
+            "mean": list(getattr(enc, "mean", ())),
+            "std": list(getattr(enc, "std", ())),
+            "output_shape": list(getattr(enc, "output_shape", ())),
+            "preprocess": repr(pre) if pre is not None else "",
             "encoder_dtype": str(enc.dtype).removeprefix("torch."),
             "dtype": str(dtype or enc.dtype).removeprefix("torch."),
             "pooled": pooled,
         }
-
-    def output_shape(self, pooled: bool) -> tuple[int, ...]:
-        assert self.encoder is not None
-        return self.encoder.output_shape[-1:] if pooled else tuple(self.encoder.output_shape)
 
     async def encode_cached(
         self,
@@ -506,7 +517,7 @@ class Engine:
             )
         return Published(lease, digest, True)
 
-    def _prepare(self, img: ImageIn, size: int) -> Job:
+    def _prepare(self, img: ImageIn, size: int | None) -> Job:
         """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its
         header already parsed at the entrance); anything else is decoded here by Pillow."""
         s = self.settings
@@ -522,10 +533,11 @@ class Engine:
                 return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
-    def _decode(self, label: str, data: bytes, size: int) -> torch.Tensor:
+    def _decode(self, label: str, data: bytes, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
-        if self._spec is not None:  # the model's preprocessing runs on the device, full size
+        if size is None or self._spec is not None:
+            # a dynamic encoder, or the model's preprocessing: on the device, at full size
             out = decode_upright(
                 data,
                 max_pixels=s.max_image_pixels,
@@ -550,8 +562,8 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
         """Decode what is still encoded (nvJPEG, batched) and assemble the batch of the jobs
         that decoded: (their indices, [n, 3, S, S] normalised floats on the device, failures)."""
-        assert self.encoder is not None
-        size = self.encoder.image_size
+        assert self.encoder is not None and not is_dynamic(self.encoder)
+        size = cast(Encoder, self.encoder).image_size
         failed: dict[int, BaseException] = {}
         host: dict[int, torch.Tensor] = {
             i: j.pixels for i, j in enumerate(jobs) if j.pixels is not None
@@ -613,6 +625,9 @@ class Engine:
         the batch; any other error fails the batch, and a sticky CUDA error marks the service
         not live."""
         assert self.encoder is not None and self.pool is not None
+        if is_dynamic(self.encoder):
+            return self._run_dynamic(jobs, cast(DynamicEncoder, self.encoder))
+        encoder = cast(Encoder, self.encoder)
         try:
             ok, x, failed = self._pixels(jobs)
             results: list[Lease | BaseException] = [
@@ -625,17 +640,15 @@ class Engine:
             self._track(start, len(ok))
             any_pooled = any(jobs[i].pooled for i in ok)
             rows: list[tuple[torch.Tensor | None, torch.Tensor | None] | BaseException] = []
-            for k, out in chunks:
-                if isinstance(out, BaseException):
-                    rows += [out] * k
+            for k, chunk in chunks:
+                if isinstance(chunk, BaseException):
+                    rows += [chunk] * k
                     continue
-                pooled = out.float().mean(1) if any_pooled else None
-                rows += [(out[r], pooled[r] if pooled is not None else None) for r in range(k)]
+                pooled = chunk.float().mean(1) if any_pooled else None
+                rows += [(chunk[r], pooled[r] if pooled is not None else None) for r in range(k)]
         except Exception as e:
             return [self._batch_error(e, "the encoder")] * len(jobs)
-        # Publish per TTL (jobs of one request share theirs): one put_many each, so the GPU
-        # tier copies the whole group with one launch.
-        groups: dict[float | None, list[tuple[int, torch.Tensor]]] = {}
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
         for row, i in enumerate(ok):
             job, got = jobs[i], rows[row]
             if isinstance(got, BaseException):
@@ -644,12 +657,85 @@ class Engine:
             feats, pooled = got
             f = pooled if job.pooled and pooled is not None else feats
             assert f is not None
-            groups.setdefault(job.ttl_s, []).append((i, f.to(job.dtype or self.encoder.dtype)))
+            out[i] = (f.to(job.dtype or encoder.dtype), None)
+        return self._publish(jobs, out, results)
+
+    def _run_dynamic(self, jobs: list[Job], encoder: DynamicEncoder) -> list[Lease | BaseException]:
+        """``_run_batch`` for a dynamic-resolution encoder: every image keeps its own size
+        and its own number of tokens; the encoder packs them into one forward."""
+        try:
+            images, failed = self._images(jobs, encoder)
+            results: list[Lease | BaseException] = [
+                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
+            ]
+            ok = sorted(images)
+            if not ok:
+                return results
+            start = self._event()
+            encoded = encoder.encode_images([images[i] for i in ok])
+            self._track(start, len(ok))
+        except Exception as e:
+            return [self._batch_error(e, "the encoder")] * len(jobs)
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
+        for i, (feats, (t, h, w)) in zip(ok, encoded, strict=True):
+            job = jobs[i]
+            f = feats.float().mean(0) if job.pooled else feats
+            out[i] = (f.to(job.dtype or encoder.dtype), ImageGrid(t, h, w, int(feats.shape[0])))
+        return self._publish(jobs, out, results)
+
+    def _images(
+        self, jobs: list[Job], encoder: DynamicEncoder
+    ) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
+        """Each job's upright RGB ``[3, H, W]`` uint8 on the device (nvJPEG decodes what is
+        still encoded, batched), and the failures: undecodable, or a shape the model refuses."""
+        failed: dict[int, BaseException] = {}
+        images: dict[int, torch.Tensor] = {}
+        gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
+        if gpu_idx:
+            assert self.jpeg is not None
+            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
+            for i, decoded in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
+                if isinstance(decoded, torch.Tensor):
+                    images[i] = orient(decoded, jobs[i].orientation)
+                    continue
+                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, decoded)
+                try:
+                    jobs[i].pixels = self._decode(jobs[i].label, jobs[i].jpeg, None)
+                except ApiError as e:
+                    failed[i] = e
+        for i, job in enumerate(jobs):
+            if job.pixels is not None and i not in failed:
+                x = job.pixels
+                if self.device.type == "cuda":
+                    x = x.pin_memory().to(self.device, non_blocking=True)
+                images[i] = x
+        for i, x in list(images.items()):
+            try:
+                encoder.grid(int(x.shape[-2]), int(x.shape[-1]))
+            except ValueError as e:
+                failed[i] = ApiError("invalid_image", f"{jobs[i].label}: {e}")
+                del images[i]
+        return images, failed
+
+    def _publish(
+        self,
+        jobs: list[Job],
+        out: dict[int, tuple[torch.Tensor, ImageGrid | None]],
+        results: list[Lease | BaseException],
+    ) -> list[Lease | BaseException]:
+        """Publish each job's features (and image grid) into the pool. Per TTL (jobs of one
+        request share theirs): one put_many each, so the GPU tier copies the whole group with
+        one launch."""
+        assert self.pool is not None
+        groups: dict[float | None, list[tuple[int, torch.Tensor, ImageGrid | None]]]
+        groups = {}
+        for i, (f, grid) in out.items():
+            groups.setdefault(jobs[i].ttl_s, []).append((i, f, grid))
         for ttl, members in groups.items():
             t0 = time.perf_counter()
             try:
                 placed: list[Lease | BaseException] = list(
-                    self.pool.put_many([f for _, f in members], ttl)
+                    self.pool.put_many([f for _, f, _ in members], ttl, [g for _, _, g in members])
                 )
             except ValueError as e:
                 placed = [ApiError("validation_error", str(e))] * len(members)
@@ -659,7 +745,7 @@ class Engine:
                 # failed).
                 placed = [self._batch_error(e, "publishing")] * len(members)
             per_lease = (time.perf_counter() - t0) / len(members)
-            for (i, _), result in zip(members, placed, strict=True):
+            for (i, _, _), result in zip(members, placed, strict=True):
                 results[i] = result
                 self.metrics.publish_seconds.observe(per_lease)
         return results
@@ -670,7 +756,7 @@ class Engine:
         pad = next((b for b in self._buckets if b >= n), n) - n
         if pad:
             x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-        return self.encoder.encode(x)[:n]
+        return cast(Encoder, self.encoder).encode(x)[:n]
 
     def _forward_split(self, x: torch.Tensor) -> list[tuple[int, torch.Tensor | BaseException]]:
         """The encoder's output in chunks of rows: (rows, features or error). On a CUDA

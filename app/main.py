@@ -157,7 +157,7 @@ def log_startup(settings: Settings, engine: Engine) -> None:
         engine.device,
         caps.transport if caps else "?",
         engine.encoder.name if engine.encoder else "?",
-        list(engine.encoder.output_shape) if engine.encoder else "?",
+        list(getattr(engine.encoder, "output_shape", ())) or "?",
         settings.socket_path,
         caps.vmm if caps else False,
         caps.posix_fd if caps else False,

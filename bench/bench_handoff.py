@@ -6,6 +6,13 @@ tensor on the GPU) and torch.multiprocessing CUDA IPC, all in one run on one GPU
 Measures: host time of one publish; producer -> consumer hand-off latency (the consumer process
 has read the data on its GPU); copy bandwidth into the pool as a fraction of a plain D2D copy.
 Prints a table and writes OUT_DIR/handoff.json.
+
+    python3 bench/bench_handoff.py --cross-gpu --out OUT_DIR
+
+instead measures a consumer on GPU 1 of a pool on GPU 0 (skipped with fewer than two GPUs):
+hand-off latency and read bandwidth in place over peer access, with a copy into GPU 1's memory
+(cross_gpu="copy"), and with torch CUDA IPC plus a copy to GPU 1; writes
+OUT_DIR/handoff_crossgpu.json.
 """
 
 from __future__ import annotations
@@ -222,6 +229,137 @@ def handoff_latency(
     return out
 
 
+# ---- --cross-gpu: a consumer on GPU 1 of a pool on GPU 0 -----------------------------------
+
+
+def read_rates(src: torch.Tensor, reps: int) -> dict[str, float]:
+    """GB/s of reading ``src`` from the current GPU: a reduction (the SMs read it), a copy
+    into this GPU's memory, and the reduction over that local copy (the HBM baseline)."""
+    words = src.reshape(-1).view(torch.int32)
+    local = torch.empty_like(words)
+    out: dict[str, float] = {}
+    for name, fn in (
+        ("sum_GBps", words.sum),
+        ("copy_to_local_GBps", lambda: local.copy_(words)),
+        ("local_sum_GBps", local.sum),
+    ):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        out[name] = words.numel() * 4 * reps / (start.elapsed_time(end) / 1e3) / 1e9
+    return out
+
+
+def cross_consumer(conn: Connection, sock: str, device: str, mode: str) -> None:
+    from pool.client import FeatureClient
+
+    torch.cuda.set_device(device)
+    client = FeatureClient.connect(sock, device=device, cross_gpu=mode)
+    assert client.link is not None
+    conn.send(client.link.path)
+    while True:
+        kind, payload = conn.recv()
+        if kind == "quit":
+            break
+        if kind == "rates":
+            t = client.open(payload)
+            conn.send(read_rates(t, reps=20))
+            client.release(payload)
+            continue
+        if kind == "lease":
+            t = client.open(payload)
+            last = int(t.view(-1)[-1].view(torch.int16).item())
+            client.release(payload)
+        else:  # cuda_ipc: the tensor arrives on GPU 0; reading it on GPU 1 takes a copy
+            t = payload.to(device)
+            last = int(t.view(-1)[-1].view(torch.int16).item())
+            del payload
+        conn.send((time.perf_counter(), last))
+        del t
+    conn.send(dict(client.fallbacks))
+    client.close()
+
+
+def cross_gpu(args: argparse.Namespace) -> None:
+    out = args.out / "handoff_crossgpu.json"
+    if torch.cuda.device_count() < 2:
+        reason = f"--cross-gpu needs two GPUs, this machine has {torch.cuda.device_count()}"
+        out.write_text(json.dumps({"skipped": reason, "machine": machine()}, indent=2))
+        print(f"skipped: {reason}")
+        return
+    backend = CudaVmmBackend.create(0, 512 << 20, 256 << 20)
+    pool = FeaturePool([backend], max_leases=1024, policy="reject")
+    pool.start_reaper(0.005)
+    sock = str(Path(tempfile.mkdtemp()) / "bench.sock")
+    server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
+    server.start()
+    base = torch.randn(FEATURE_SHAPE, device="cuda:0", dtype=torch.bfloat16)
+    ctx = mp.get_context("spawn")
+    ends: dict[str, Connection] = {}
+    procs = []
+    for mode in ("map", "copy"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=cross_consumer, args=(child, sock, "cuda:1", mode), daemon=True)
+        proc.start()
+        ends[mode] = parent
+        procs.append(proc)
+    paths = {mode: end.recv() for mode, end in ends.items()}
+    result: dict[str, Any] = {"machine": machine(), "paths": paths, "latency": {}}
+    # Hand-off of a 9.8 MB bf16 feature until the consumer on GPU 1 has read its last element.
+    for name, mode, kind in (
+        ("in_place", "map", "lease"),
+        ("copy_to_gpu1", "copy", "lease"),
+        ("cuda_ipc_to_gpu1", "map", "cuda_ipc"),
+    ):
+        lat: list[float] = []
+        for i in range(args.latency_iters + 3):
+            feat = base.clone()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if kind == "lease":
+                ends[mode].send(("lease", pool.describe(pool.put(feat)).wire()))
+            else:
+                ends[mode].send(("cuda_ipc", feat))
+            t1, last = ends[mode].recv()
+            assert last == int(feat.view(-1)[-1].view(torch.int16).item()), name
+            if i >= 3:
+                lat.append((t1 - t0) * 1e6)
+            del feat
+        result["latency"][name] = {
+            "median_us": statistics.median(lat),
+            "p90_us": pct(lat, 0.9),
+            "n": len(lat),
+        }
+    # Read bandwidth of a 128 MB lease from GPU 1: in place, and the copy path's local copy.
+    big = torch.randint(0, 255, (128 << 20,), dtype=torch.uint8, device="cuda:0")
+    result["read_128MB"] = {}
+    for name, mode in (("in_place", "map"), ("copy_to_gpu1", "copy")):
+        lease = pool.put(big)
+        ends[mode].send(("rates", pool.describe(lease).wire()))
+        result["read_128MB"][name] = ends[mode].recv()
+    for end in ends.values():
+        end.send(("quit", None))
+    result["fallbacks"] = {mode: end.recv() for mode, end in ends.items()}
+    for proc in procs:
+        proc.join(timeout=30)
+    server.close()
+    pool.close()
+    out.write_text(json.dumps(result, indent=2))
+    m = result["machine"]
+    print(f"\n{m['gpu']} | torch {m['torch']} | {m['date']} | paths {paths}")
+    print("\nhand-off of a 9.8 MB bf16 feature, pool on GPU 0 -> read on GPU 1 (us)")
+    for k, v in result["latency"].items():
+        print(f"  {k:18s} median {v['median_us']:9.1f}  p90 {v['p90_us']:9.1f}  n={v['n']}")
+    print("\nreading a 128 MB lease on GPU 1 (GB/s)")
+    for k, v in result["read_128MB"].items():
+        print(f"  {k:18s} " + "  ".join(f"{n} {x:8.0f}" for n, x in v.items()))
+    print(f"\nfallbacks counted by the clients: {result['fallbacks']}")
+
+
 def machine() -> dict[str, str]:
     smi = gpu_name()
     try:
@@ -243,8 +381,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--iters", type=int, default=500)
     ap.add_argument("--latency-iters", type=int, default=100)
+    ap.add_argument(
+        "--cross-gpu",
+        action="store_true",
+        help="only a consumer on GPU 1 of a pool on GPU 0 (skipped with one GPU)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cross_gpu:
+        cross_gpu(args)
+        return
 
     backend = CudaVmmBackend.create(0, 512 << 20, 256 << 20)
     pool = FeaturePool([backend], max_leases=1024, policy="reject")

@@ -11,6 +11,13 @@ features out of a featpool producer without copying them.
 On the GPU tier ``open`` and ``release`` are stream-ordered on the current CUDA stream: open
 enqueues a wait on the lease's ready word, release enqueues the ack after your reads.
 
+On another GPU of the node than the producer's (``device="cuda:3"``), ``open`` returns a view
+that GPU reads in place over peer access (NVLink or PCIe) where the driver says it can, else a
+copy in that GPU's memory, counted in ``client.fallbacks`` by reason (docs/protocol.md 9):
+
+    client = FeatureClient.connect(sock, device="cuda:3")
+    client.link          # producer_device, device, path: same_device | peer | copy, reason
+
 From another node of a multi-node NVLink domain (the producer runs with ``--fabric-listen``):
 
     client = FeatureClient.connect("tcp://producer-host:7070", token=TOKEN)
@@ -29,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,6 +55,9 @@ from pool.errors import (
 )
 from pool.featurepool import INLINE, epoch_hex, parse_dtype
 from pool.protocol import PROTOCOL_VERSION, parse_host_port, recv_msg, send_msg
+
+if TYPE_CHECKING:
+    from pool.backends.peer import CrossGpu, GpuLink
 
 LeaseRef = str | LeaseDescriptor | Mapping[str, Any]
 
@@ -83,6 +93,7 @@ class FeatureClient:
         token: str | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
+        cross_gpu: CrossGpu = "auto",
     ) -> None:
         self.address = str(socket_path)  # a Unix socket path, or tcp://HOST:PORT
         self.remote = self.address.startswith("tcp://")  # a consumer on another node
@@ -90,8 +101,13 @@ class FeatureClient:
             raise ValueError("a tcp:// hand-off needs the producer's token (token=...)")
         self.token = token
         self.device = torch.device(device) if device is not None else None
+        self.cross_gpu: CrossGpu = cross_gpu  # another GPU than the producer's: auto/map/copy
         self.timeout_s = timeout_s
+        # open() calls answered with a copy instead of a view, by reason (for the life of this
+        # client, across reattach): "no_peer_access", "copy_requested".
+        self.fallbacks: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._ctrl: ControlBlock | None = None
         self._acks: AckBlock | None = None  # this consumer's own opened / ack words
@@ -111,9 +127,15 @@ class FeatureClient:
         token: str | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
+        cross_gpu: CrossGpu = "auto",
     ) -> FeatureClient:
-        """Attach to a producer: receive the control block and slab FDs once and map them."""
-        client = cls(socket_path, token=token, device=device, timeout_s=timeout_s)
+        """Attach to a producer: receive the control block and slab FDs once and map them.
+        ``device``: the GPU to read on (default: the producer's); ``cross_gpu`` when that is
+        another GPU: ``auto`` (in place with peer access, else copies), ``map`` (in place or
+        an error), ``copy`` (always copies)."""
+        client = cls(
+            socket_path, token=token, device=device, timeout_s=timeout_s, cross_gpu=cross_gpu
+        )
         client._attach()
         return client
 
@@ -225,8 +247,20 @@ class FeatureClient:
             from pool.backends.cuda_vmm import CudaConsumer
 
             assert self._ctrl is not None
-            self._cuda = CudaConsumer(self._ctrl, msg.get("cuda", {}), self.device, acks=self._acks)
+            self._cuda = CudaConsumer(
+                self._ctrl,
+                msg.get("cuda", {}),
+                self.device,
+                acks=self._acks,
+                cross_gpu=self.cross_gpu,
+            )
         return self._cuda
+
+    @property
+    def link(self) -> GpuLink | None:
+        """How this client reaches the producer's GPU (None without a GPU tier, or on another
+        node): its GPU and ours, and the path (same_device, peer, or copy and why)."""
+        return self._cuda.link if self._cuda is not None else None
 
     def reattach(self) -> None:
         """Drop every mapping and attach again (after the producer restarted)."""
@@ -258,6 +292,10 @@ class FeatureClient:
         stream wait enqueued; nothing then bounds that wait if the producer dies before its
         copy (the stream waits until this process exits). A consumer on another node always
         works this way: it has no host-visible ready word.
+
+        On another GPU than the producer's without peer access (``self.link.path == "copy"``)
+        this returns a copy in this client's GPU, enqueued after the stream wait, and counts it
+        in ``self.fallbacks``; ``release`` may follow at once (the ack is ordered after it).
         """
         desc = self._descriptor(lease)
         if desc["tier"] == INLINE:
@@ -293,7 +331,14 @@ class FeatureClient:
                 time.sleep(0.0001)
         if gpu:
             self._cuda.wait_ready(slot, gen)
-        return mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
+        view = mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
+        reason = self._cuda.copy_reason if gpu else ""
+        if not reason:
+            return view
+        out: torch.Tensor = self._cuda.copy_here(view)
+        with self._count_lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        return out
 
     def _mark_opened(
         self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int

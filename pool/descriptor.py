@@ -39,6 +39,16 @@ class LeaseDescriptor(BaseModel):
     nbytes: int = Field(description="bytes of the tensor: prod(shape) * itemsize")
     shape: list[int] = Field(description="C-contiguous (row-major) shape")
     dtype: str = Field(description="PyTorch dtype name: float32, bfloat16, float16, ...")
+    grid_thw: list[int] | None = Field(
+        None,
+        description="dynamic-resolution encoders (Qwen2-VL, Qwen2.5-VL): the image grid "
+        "[t, h, w] in patches, the processor's image_grid_thw; null for fixed-size encoders",
+    )
+    tokens: int | None = Field(
+        None,
+        description="dynamic-resolution encoders: the image's token count, t*h*w / merge**2 "
+        "(the first dimension of shape unless pooled); null for fixed-size encoders",
+    )
     slot: int = Field(description="the control-block slot of the lease")
     generation: int = Field(description="the slot's generation that identifies this lease")
     created_at: float = Field(description="seconds since the Unix epoch")

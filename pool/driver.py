@@ -27,9 +27,28 @@ class HandleType(enum.IntFlag):
     FABRIC = 8
 
 
+class P2PAttribute(enum.IntEnum):
+    """Attributes of the link between two devices (values of CUdevice_P2PAttribute)."""
+
+    PERFORMANCE_RANK = 1
+    ACCESS_SUPPORTED = 2
+    NATIVE_ATOMIC_SUPPORTED = 3
+
+
+def normalize_uuid(uuid: str) -> str:
+    """One spelling of a GPU UUID: torch writes ``c8596301-a927-...``, nvidia-smi and
+    CUDA_VISIBLE_DEVICES ``GPU-c8596301-a927-...``."""
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
 class DriverAPI(Protocol):
     """What the pool needs from the CUDA driver. ``Driver`` is the real one."""
 
+    def device_count(self) -> int: ...
+    def device_uuid(self, ordinal: int) -> str: ...
+    def can_access_peer(self, ordinal: int, peer: int) -> bool: ...
+    def p2p_attribute(self, attr: P2PAttribute, src: int, dst: int) -> int: ...
     def use_device(self, ordinal: int) -> None: ...
     def release_device(self) -> None: ...
     def current_context(self) -> int: ...
@@ -113,6 +132,39 @@ class Driver:
                 )
             self._check("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self._ctx))
             self._tls.ctx = self._ctx
+
+    # ---- devices (no context needed) ------------------------------------------------------
+
+    def device_count(self) -> int:
+        return int(self._check("cuDeviceGetCount", self.cu.cuDeviceGetCount()))
+
+    def _dev(self, ordinal: int) -> Any:
+        return self._check("cuDeviceGet", self.cu.cuDeviceGet(ordinal))
+
+    def device_uuid(self, ordinal: int) -> str:
+        """The device's UUID as torch spells it (8-4-4-4-12 lowercase hex, no ``GPU-``)."""
+        uuid = self._check("cuDeviceGetUuid", self.cu.cuDeviceGetUuid(self._dev(ordinal)))
+        h = bytes(uuid.bytes).hex()
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    def can_access_peer(self, ordinal: int, peer: int) -> bool:
+        """Whether device ``ordinal`` can read and write memory that lives on ``peer``."""
+        dev, peer_dev = self._dev(ordinal), self._dev(peer)
+        return bool(
+            self._check("cuDeviceCanAccessPeer", self.cu.cuDeviceCanAccessPeer(dev, peer_dev))
+        )
+
+    def p2p_attribute(self, attr: P2PAttribute, src: int, dst: int) -> int:
+        """One attribute of the link from ``src`` to ``dst`` (two different devices)."""
+        cu = self.cu
+        return int(
+            self._check(
+                "cuDeviceGetP2PAttribute",
+                cu.cuDeviceGetP2PAttribute(
+                    cu.CUdevice_P2PAttribute(int(attr)), self._dev(src), self._dev(dst)
+                ),
+            )
+        )
 
     # ---- context ---------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from pool.errors import (
     StaleLease,
     TensorTooLarge,
 )
-from pool.leases import Lease, LeaseState, LeaseTable
+from pool.leases import ImageGrid, Lease, LeaseState, LeaseTable
 from pool.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,10 @@ class FeaturePool:
         return lease
 
     def put_many(
-        self, tensors: Sequence[torch.Tensor], ttl_s: float | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        ttl_s: float | None = None,
+        grids: Sequence[ImageGrid | None] | None = None,
     ) -> list[Lease | PoolError]:
         """``put`` for a batch: one result per tensor, a lease or the error that tensor met.
 
@@ -213,14 +216,17 @@ class FeaturePool:
         copy launch for every tensor), which keeps host time per lease low when the Python
         process is busy with other threads. Under ``wait`` the batch shares one deadline:
         it waits up to ``wait_s`` for its space in all, not that long for each tensor. A bad
-        TTL raises ValueError for all.
+        TTL raises ValueError for all. ``grids`` gives each tensor's image grid, for its
+        descriptor.
         """
         ttl = self.clamp_ttl(ttl_s)
+        if grids is not None and len(grids) != len(tensors):
+            raise ValueError(f"{len(grids)} grids for {len(tensors)} tensors")
         deadline = self._deadline()
         results: list[Lease | PoolError] = []
         placed: dict[str, list[tuple[Lease, torch.Tensor]]] = {}  # by tier name
         inline: list[tuple[Lease, torch.Tensor]] = []
-        for given in tensors:
+        for n, given in enumerate(tensors):
             try:
                 tensor = self._checked(given)
                 nbytes = tensor.numel() * tensor.element_size()
@@ -228,6 +234,8 @@ class FeaturePool:
             except PoolError as e:
                 results.append(e)
                 continue
+            if grids is not None:
+                lease.grid = grids[n]
             results.append(lease)
             if tier is not None:
                 placed.setdefault(tier.name, []).append((lease, tensor))
@@ -497,6 +505,8 @@ class FeaturePool:
             nbytes=lease.nbytes,
             shape=list(lease.shape),
             dtype=lease.dtype,
+            grid_thw=[g.t, g.h, g.w] if (g := lease.grid) else None,
+            tokens=g.tokens if g else None,
             slot=lease.slot,
             generation=lease.generation,
             created_at=lease.created_at,

@@ -33,6 +33,18 @@ class LeaseState(StrEnum):
     EXPIRED = "expired"
 
 
+@dataclass(frozen=True, slots=True)
+class ImageGrid:
+    """The image grid of a dynamic-resolution encoder (Qwen2-VL): (t, h, w) in patches, and
+    the number of tokens the image gives (t*h*w / merge**2), which the consumer needs to
+    place the features and build their positions."""
+
+    t: int
+    h: int
+    w: int
+    tokens: int
+
+
 @dataclass(slots=True)
 class Lease:
     id: str
@@ -47,6 +59,7 @@ class Lease:
     deadline: float  # monotonic clock
     ttl_s: float
     state: LeaseState = LeaseState.RESERVED
+    grid: ImageGrid | None = None  # set by dynamic-resolution encoders only
     inline: Any = field(default=None, repr=False)  # the tensor itself for the inline tier
 
     def expires_at(self, clock: Callable[[], float]) -> float:

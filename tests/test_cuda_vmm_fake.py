@@ -26,7 +26,7 @@ from pool.allocator import Extent
 from pool.backends import cuda_vmm, vmm
 from pool.backends.cuda_vmm import CudaConsumer, CudaVmmBackend, FabricStatus, probe_fabric
 from pool.control import ACK_OFFSET, READY_OFFSET, ControlBlock
-from pool.driver import Driver, HandleType, load_bindings
+from pool.driver import Driver, HandleType, P2PAttribute, load_bindings
 from pool.errors import (
     CudaError,
     CudaUnavailable,
@@ -78,6 +78,12 @@ class FakeDriver:
         self.retained = 0
         self._next_va = 0x7F00_0000_0000
         self.on_write: list[Any] = []
+        # The node's GPUs as this process sees them (torch's spelling of UUIDs), which pairs
+        # (consumer, owner) have peer access, and the device each mapping is accessible to.
+        self.uuids = ["fake-0000"]
+        self.peers: set[tuple[int, int]] = set()
+        self.access_device: dict[int, int] = {}
+        self.views: list[tuple[int, int, bool]] = []  # FakeRuntime.tensor_at: ptr, device, DLPack
 
     def _call(self, name: str, *args: Any) -> None:
         self.calls.append((name, *args))
@@ -87,6 +93,22 @@ class FakeDriver:
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+    def device_count(self) -> int:
+        return len(self.uuids)
+
+    def device_uuid(self, ordinal: int) -> str:
+        return self.uuids[ordinal]
+
+    def can_access_peer(self, ordinal: int, peer: int) -> bool:
+        self._call("can_access_peer", ordinal, peer)
+        return (ordinal, peer) in self.peers
+
+    def p2p_attribute(self, attr: Any, src: int, dst: int) -> int:
+        self._call("p2p_attribute", attr.name, src, dst)
+        if attr.name == "PERFORMANCE_RANK":
+            return 0
+        return int((src, dst) in self.peers)
 
     def use_device(self, ordinal: int) -> None:
         self._call("use_device", ordinal)
@@ -144,10 +166,12 @@ class FakeDriver:
     def mem_unmap(self, ptr: int, size: int) -> None:
         self._call("mem_unmap", ptr)
         del self.maps[ptr]
+        self.access_device.pop(ptr, None)
 
     def set_access(self, ptr: int, size: int, ordinal: int, *, read_only: bool) -> None:
         self._call("set_access", ptr, read_only)
         self.maps[ptr] = (self.maps[ptr][0], read_only)
+        self.access_device[ptr] = ordinal
 
     def export_fd(self, handle: FakeHandle) -> int:
         self._call("export_fd", handle)
@@ -236,19 +260,22 @@ class FakeDriver:
 class FakeRuntime:
     """Same methods as cuda_vmm.TorchCuda; device memory is the fake driver's bytearrays."""
 
-    def __init__(self, driver: FakeDriver, device: str = "cpu") -> None:
+    def __init__(self, driver: FakeDriver, device: str = "cpu", index: int = 0) -> None:
         self.driver = driver
         self.device = torch.device(device)
-        self.index = 0
+        self.index = index
         self.stream = 0x5157
 
     def init(self) -> None:
-        self.driver.calls.append(("torch_init",))
+        self.driver.calls.append(("torch_init", self.index))
 
     def current_stream(self) -> int:
         return self.stream
 
-    def tensor_at(self, ptr: int, nbytes: int, on_free: Any = None) -> torch.Tensor:
+    def tensor_at(
+        self, ptr: int, nbytes: int, on_free: Any = None, *, explicit_device: bool = False
+    ) -> torch.Tensor:
+        self.driver.views.append((ptr, self.index, explicit_device))
         handle, _ = self.driver.maps[ptr]
         arr = np.frombuffer(handle.mem, dtype=np.uint8, count=nbytes)
         if on_free is not None:  # torch holds ``arr`` as long as the storage, like the real one
@@ -257,6 +284,10 @@ class FakeRuntime:
 
     def synchronize(self) -> None:
         self.driver.calls.append(("synchronize",))
+
+    def copy_here(self, src: torch.Tensor) -> torch.Tensor:
+        self.driver.calls.append(("copy_here", self.index, src.numel() * src.element_size()))
+        return src.clone()
 
     def read_back(self, src: torch.Tensor) -> bytes:
         self.driver.calls.append(("read_back", src.numel()))
@@ -527,7 +558,8 @@ def test_fabric_off_does_not_probe() -> None:
 def test_fabric_import_without_channel_is_clear() -> None:
     drv = FakeDriver(fabric_permitted=False)
     ctrl = ControlBlock.create(4)
-    cons = CudaConsumer(ctrl, {}, None, driver=drv, rt=FakeRuntime(drv))
+    info = {"device_uuid": "GPU-fake-0000"}
+    cons = CudaConsumer(ctrl, info, None, driver=drv, rt=FakeRuntime(drv))
     try:
         with pytest.raises(CudaUnavailable, match="IMEX channel"):
             cons.map_fabric(base64.b64encode(b"\0" * 64).decode(), GRAN)
@@ -550,7 +582,7 @@ def test_consumer_maps_read_only_waits_and_acks(
     server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
     server.start()
     monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv))
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
     monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
     try:
         t = torch.randn(64, 33)
@@ -669,7 +701,7 @@ TOKEN = "s3cret-token"
 def fake_consumer_side(monkeypatch: pytest.MonkeyPatch, drv: FakeDriver) -> None:
     """FeatureClient builds its CudaConsumer with the fake driver and runtime."""
     monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv))
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
     monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
 
 
@@ -843,3 +875,240 @@ def test_full_slots_are_freed_by_remote_acks_on_put(monkeypatch: pytest.MonkeyPa
         server.close()
         pool.close()
     assert_nothing_left(drv)
+
+
+# ---- a consumer on another GPU of the node ------------------------------------------------
+
+OWNER_UUID = "GPU-fake-0000"  # what the producer's welcome says (FakeRuntime.uuid)
+
+
+def two_gpus(*, peer: bool) -> FakeDriver:
+    drv = FakeDriver()
+    drv.uuids = ["fake-0000", "fake-0001"]  # this process's ordinals: the producer's GPU is 0
+    if peer:
+        drv.peers = {(1, 0)}
+    return drv
+
+
+def test_driver_device_queries_go_through_the_checked_helper() -> None:
+    import uuid as uuidlib
+
+    cu = pytest.importorskip("cuda.bindings.driver")
+    ok = cu.CUresult.CUDA_SUCCESS
+    raw = bytes(range(0xA0, 0xB0))
+    seen: list[tuple[Any, ...]] = []
+    fake_cu = types.SimpleNamespace(
+        CUresult=cu.CUresult,
+        CUdevice_P2PAttribute=cu.CUdevice_P2PAttribute,
+        cuDeviceGetCount=lambda: (ok, 2),
+        cuDeviceGet=lambda n: (ok, 100 + n),
+        cuDeviceGetUuid=lambda dev: (ok, types.SimpleNamespace(bytes=raw)),
+        cuDeviceCanAccessPeer=lambda dev, peer: (seen.append(("peer", dev, peer)), (ok, 1))[1],
+        cuDeviceGetP2PAttribute=lambda a, s, d: (
+            (cu.CUresult.CUDA_ERROR_INVALID_DEVICE,)
+            if s == d
+            else (seen.append(("attr", a, s, d)), (ok, 3))[1]
+        ),
+    )
+    d = Driver(fake_cu)
+    assert d.device_count() == 2
+    # Torch's spelling (get_device_properties(i).uuid): 8-4-4-4-12 lowercase hex.
+    assert d.device_uuid(1) == str(uuidlib.UUID(bytes=raw))
+    assert d.can_access_peer(1, 0) is True
+    assert d.p2p_attribute(P2PAttribute.PERFORMANCE_RANK, 1, 0) == 3
+    assert seen == [
+        ("peer", 101, 100),  # (consumer, owner): can the consumer reach the owner's memory
+        ("attr", cu.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, 101, 100),
+    ]
+    with pytest.raises(CudaError, match="cuDeviceGetP2PAttribute failed: CUDA_ERROR_INVALID"):
+        d.p2p_attribute(P2PAttribute.ACCESS_SUPPORTED, 0, 0)
+
+
+def test_link_decision_same_device_peer_and_copy() -> None:
+    from pool.backends.peer import plan_link
+
+    drv = two_gpus(peer=True)
+    same = plan_link(drv, None, OWNER_UUID)
+    assert (same.producer_device, same.device, same.path) == (0, 0, "same_device")
+    assert plan_link(drv, 0, OWNER_UUID).path == "same_device"
+    assert "can_access_peer" not in drv.names()  # no peer question on the producer's GPU
+
+    peer = plan_link(drv, 1, OWNER_UUID)
+    assert (peer.device, peer.path, peer.reason, peer.access_device) == (1, "peer", "", 1)
+    assert ("can_access_peer", 1, 0) in drv.calls
+    assert ("p2p_attribute", "ACCESS_SUPPORTED", 1, 0) in drv.calls
+    forced = plan_link(drv, 1, OWNER_UUID, "copy")
+    assert (forced.path, forced.reason, forced.access_device) == ("copy", "copy_requested", 0)
+
+    drv = two_gpus(peer=False)
+    copy = plan_link(drv, 1, OWNER_UUID)
+    assert (copy.path, copy.reason) == ("copy", "no_peer_access")
+    assert copy.access_device == 0  # mapped for the producer's GPU, which copies it over
+    with pytest.raises(CudaUnavailable, match=r"GPU 1 cannot access GPU 0.*cross_gpu='map'"):
+        plan_link(drv, 1, OWNER_UUID, "map")
+    # The UUID is matched whatever its spelling; ordinals are this process's.
+    drv.uuids = ["fake-0001", "FAKE-0000"]
+    assert plan_link(drv, None, OWNER_UUID).producer_device == 1
+
+
+def test_link_errors_are_clear() -> None:
+    from pool.backends.peer import plan_link
+
+    drv = two_gpus(peer=True)
+    with pytest.raises(CudaUnavailable, match=r"GPU GPU-elsewhere is not among the 2 GPU\(s\)"):
+        plan_link(drv, 1, "GPU-elsewhere")
+    with pytest.raises(HandoffError, match="names no producer GPU"):
+        plan_link(drv, 1, None)
+    with pytest.raises(CudaUnavailable, match=r"CUDA device 5 does not exist \(2 visible\)"):
+        plan_link(drv, 5, OWNER_UUID)
+    with pytest.raises(ValueError, match="auto, map or copy"):
+        plan_link(drv, 1, OWNER_UUID, "sometimes")  # type: ignore[arg-type]
+
+
+def served_on_gpu0(
+    drv: FakeDriver, tmp_path: Any
+) -> tuple[CudaVmmBackend, FeaturePool, HandoffServer]:
+    be = CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, driver=drv, rt=FakeRuntime(drv))
+    pool = FeaturePool([be], max_leases=8)
+    server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
+    server.start()
+    return be, pool, server
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_consumer_on_another_gpu_maps_in_place_or_copies(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, peer: bool
+) -> None:
+    from pool.client import FeatureClient
+
+    drv = two_gpus(peer=peer)
+    _, pool, server = served_on_gpu0(drv, tmp_path)
+    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    try:
+        t = torch.randn(64, 33)
+        lease = pool.put(t)
+        desc = pool.describe(lease)
+        n0, v0 = len(drv.calls), len(drv.views)
+        with FeatureClient.connect(tmp_path / "fp.sock", device="cuda:1") as client:
+            link = client.link
+            assert link is not None and (link.producer_device, link.device) == (0, 1)
+            assert link.path == ("peer" if peer else "copy")
+            attach = drv.calls[n0:]
+            assert ("use_device", 1) in attach  # the consumer's context is its own GPU's
+            consumer_maps = [p for p, (h, ro) in drv.maps.items() if ro is True]
+            assert len(consumer_maps) == 2
+            # Access set for the consumer's GPU (peer) or the producer's (copy), read-only.
+            want = 1 if peer else 0
+            assert [drv.access_device[p] for p in consumer_maps] == [want, want]
+            views = drv.views[v0:]
+            assert [(v[1], v[2]) for v in views] == [(want, True)] * 2  # named device (DLPack)
+            if not peer:
+                assert ("torch_init", 0) in attach  # torch's context on the source GPU first
+
+            out = client.open(desc)
+            tail = [c[0] for c in drv.calls[-2:]]
+            assert torch.equal(out, t)
+            mem = drv.maps[consumer_maps[lease.extent.slab]][0].mem  # type: ignore[union-attr]
+            shares = np.shares_memory(out.numpy(), np.frombuffer(mem, dtype=np.uint8))
+            if peer:
+                assert tail[-1] == "stream_wait_value32_geq" and shares  # a view, in place
+                assert client.fallbacks == {}
+            else:
+                # The wait, then the copy into the consumer's GPU: counted, never silent.
+                assert tail == ["stream_wait_value32_geq", "copy_here"] and not shares
+                assert drv.calls[-1] == ("copy_here", 1, t.numel() * 4)
+                assert client.fallbacks == {"no_peer_access": 1}
+                client.open(desc)
+                assert client.fallbacks == {"no_peer_access": 2}
+            # The ack: this consumer's stream writes its own ack block, as on one GPU.
+            client.release(desc)
+            assert drv.calls[-1][0] == "stream_write_value32"
+            assert client._acks is not None and client._acks.acks[lease.slot] == lease.generation
+            assert pool.reap() == 1
+            del out
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_same_device_consumer_path_is_unchanged(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from pool.client import FeatureClient
+
+    drv = two_gpus(peer=True)
+    _, pool, server = served_on_gpu0(drv, tmp_path)
+    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    try:
+        lease = pool.put(torch.ones(16))
+        n0, v0 = len(drv.calls), len(drv.views)
+        with FeatureClient.connect(tmp_path / "fp.sock", cross_gpu="copy") as client:
+            assert client.link is not None and client.link.path == "same_device"
+            attach = drv.calls[n0:]
+            assert not {"can_access_peer", "p2p_attribute"} & {c[0] for c in attach}
+            assert [(v[1], v[2]) for v in drv.views[v0:]] == [(0, False)] * 2
+            out = client.open(pool.describe(lease))
+            assert torch.equal(out, torch.ones(16)) and client.fallbacks == {}
+            assert "copy_here" not in drv.names()
+            client.release(pool.describe(lease))
+            del out
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_unknown_producer_gpu_is_a_clear_error_and_leaks_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from pool.client import FeatureClient
+
+    drv = FakeDriver()
+    _, pool, server = served_on_gpu0(drv, tmp_path)
+    drv.uuids = ["fake-1111", "fake-2222"]  # CUDA_VISIBLE_DEVICES hides the producer's GPU
+    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
+    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    try:
+        for device in (None, "cuda:1"):
+            with pytest.raises(CudaUnavailable, match=r"GPU-fake-0000 is not among the 2 GPU"):
+                FeatureClient.connect(tmp_path / "fp.sock", device=device)
+        assert "import_fd" not in drv.names()
+        # Visible but out of reach, with the copy refused: an error at attach, not a copy.
+        drv.uuids = ["fake-0000", "fake-0001"]
+        with pytest.raises(CudaUnavailable, match=r"GPU 1 cannot access GPU 0.*'map'"):
+            FeatureClient.connect(tmp_path / "fp.sock", device="cuda:1", cross_gpu="map")
+        assert "import_fd" not in drv.names()
+        assert wait_for(lambda: pool.stats()["consumers_attached"] == 0)
+    finally:
+        server.close()
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return True
+        threading.Event().wait(0.01)
+    return bool(cond())
+
+
+def test_dlpack_view_names_its_device_and_frees_with_the_last_view() -> None:
+    from pool.backends.dlpack import _live, bytes_on_device
+
+    buf = np.arange(256, dtype=np.uint8)
+    freed: list[int] = []
+    t = bytes_on_device(buf.ctypes.data, 200, torch.device("cpu"), lambda: freed.append(1))
+    assert t.device == torch.device("cpu") and t.dtype == torch.uint8 and t.shape == (200,)
+    assert t.data_ptr() == buf.ctypes.data  # zero-copy
+    assert torch.equal(t, torch.from_numpy(buf[:200]))
+    part = t[10:20].view(torch.int16)
+    del t
+    assert freed == []  # ``part`` still views it
+    del part
+    assert freed == [1] and not _live
+    with pytest.raises(ValueError, match="no DLPack view on meta"):
+        bytes_on_device(buf.ctypes.data, 1, torch.device("meta"))

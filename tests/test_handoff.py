@@ -267,3 +267,27 @@ def test_inline_leases_are_released_over_the_socket(tmp_path: Path) -> None:
     finally:
         server.close()
         pool.close()
+
+
+def test_leases_of_different_shapes_carry_their_grid(
+    served: tuple[FeaturePool, HandoffServer],
+) -> None:
+    """Dynamic-resolution features: each image its own lease of its own shape, and the
+    consumer learns each one's grid over the socket (lookup) as HTTP clients do."""
+    from pool.leases import ImageGrid
+
+    pool, server = served
+    feats = [torch.randn(6, 8), torch.randn(15, 8), torch.randn(8)]
+    grids = [ImageGrid(1, 4, 6, 6), ImageGrid(1, 6, 10, 15), None]
+    leases = pool.put_many(feats, None, grids)
+    with FeatureClient.connect(server.path) as c:
+        for lease, x, grid in zip(leases, feats, grids, strict=True):
+            assert not isinstance(lease, Exception)
+            desc = c.lookup(lease.id)
+            assert desc["shape"] == list(x.shape)
+            assert desc["grid_thw"] == ([grid.t, grid.h, grid.w] if grid else None)
+            assert desc["tokens"] == (grid.tokens if grid else None)
+            assert torch.equal(c.open(desc), x)
+            c.release(desc)
+    with pytest.raises(ValueError, match="grids"):
+        pool.put_many(feats, None, grids[:2])

@@ -8,16 +8,18 @@ from a local directory or the local Hugging Face cache (optional extra `hf`).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
-from app.encoders.base import Encoder, ModuleEncoder, default_dtype
+from app.encoders.base import DynamicEncoder, Encoder, ModuleEncoder, default_dtype, is_dynamic
 from app.encoders.vit import PRESETS, ViTConfig, ViTEncoder
 
 __all__ = [
     "HF_PREFIX",
     "PRESETS",
+    "DynamicEncoder",
     "Encoder",
     "ModuleEncoder",
     "ViTConfig",
@@ -25,9 +27,11 @@ __all__ = [
     "build_encoder",
     "check_encoder_name",
     "default_dtype",
+    "is_dynamic",
 ]
 
 HF_PREFIX = "hf:"
+log = logging.getLogger(__name__)
 
 
 def build_encoder(
@@ -37,8 +41,10 @@ def build_encoder(
     dtype: torch.dtype | None = None,
     weights: Path | None = None,
     compile: bool = False,
-) -> Encoder:
+) -> Encoder | DynamicEncoder:
     """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir or cached repo id>`.
+    A Qwen2-VL or Qwen2.5-VL checkpoint gives a `DynamicEncoder` (its vision tower, dynamic
+    resolution).
 
     `dtype` defaults to bfloat16 on CUDA and float32 elsewhere. `weights` (presets only) is a
     local safetensors file; without it the weights are seeded, identical in every process.
@@ -49,8 +55,14 @@ def build_encoder(
             raise ValueError(
                 "hf encoders load their weights from their directory; do not pass weights"
             )
-        from app.encoders.hf import HFVisionEncoder
+        from app.encoders.hf import HFVisionEncoder, resolve_model
+        from app.encoders.qwen import QwenVisionEncoder, is_qwen_checkpoint
 
+        directory = resolve_model(name[len(HF_PREFIX) :])
+        if is_qwen_checkpoint(directory):
+            if compile:
+                log.warning("%s: --encoder-compile is not used for dynamic-resolution towers", name)
+            return QwenVisionEncoder(directory, device=device, dtype=dtype)
         return HFVisionEncoder(name[len(HF_PREFIX) :], device=device, dtype=dtype, compile=compile)
     if name not in PRESETS:
         raise _unknown(name)

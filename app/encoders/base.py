@@ -35,6 +35,35 @@ class Encoder(Protocol):
     def warmup(self, batch_sizes: Sequence[int]) -> None: ...
 
 
+@runtime_checkable
+class DynamicEncoder(Protocol):
+    """A dynamic-resolution tower (Qwen2-VL): each image keeps its own size and gives its own
+    number of tokens. The encoder does its model's pre-processing itself.
+
+    `encode_images` takes upright RGB `[3, H, W]` uint8 images on `device` and returns, per
+    image, `([tokens, D] in dtype, (t, h, w))`: the features and the image grid in patches.
+    """
+
+    dynamic: bool
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+
+    def encode_images(
+        self, images: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, tuple[int, int, int]]]: ...
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) for an image of that size; ValueError for a shape the model refuses."""
+        ...
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None: ...
+
+
+def is_dynamic(encoder: object) -> bool:
+    return bool(getattr(encoder, "dynamic", False))
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -13,6 +13,10 @@ read-only and registers it READ_ONLY (its streams only wait on it), and register
 block (``pool.control.AckBlock``) read-write for its stream-ordered acks. The producer's reaper
 reads every ack word with plain host loads.
 
+A consumer on another GPU of the node (``FeatureClient(device=...)``) maps the same FDs with
+access for its own GPU where the driver reports peer access, else for the producer's GPU, and
+then ``open`` copies into its own (``pool.backends.peer``, docs/protocol.md 9).
+
 A VMM allocation has no read-only export: whoever imports a slab's POSIX FD may map it
 read-write. Consumers here map read-only; on this tier the hand-off socket's peer check is the
 trust boundary (docs/security.md).
@@ -32,6 +36,8 @@ import torch
 
 from pool.allocator import Extent
 from pool.backends.device_control import DeviceControl
+from pool.backends.dlpack import bytes_on_device
+from pool.backends.peer import CrossGpu, GpuLink, plan_link
 from pool.backends.vmm import (
     DevicePointer,
     Mapping,
@@ -93,11 +99,22 @@ class TorchCuda:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
     def tensor_at(
-        self, ptr: int, nbytes: int, on_free: Callable[[], None] | None = None
+        self,
+        ptr: int,
+        nbytes: int,
+        on_free: Callable[[], None] | None = None,
+        *,
+        explicit_device: bool = False,
     ) -> torch.Tensor:
         """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (zero-copy).
         ``on_free`` runs once the last tensor viewing this memory is gone: torch keeps the
-        ``__cuda_array_interface__`` object alive as long as the storage."""
+        ``__cuda_array_interface__`` object alive as long as the storage.
+
+        ``explicit_device``: the memory lives on another GPU than the one it is read from (a
+        peer mapping); torch would ask the driver for the pointer's device, get the other GPU
+        and copy, so the view is built through DLPack naming this device instead."""
+        if explicit_device:
+            return bytes_on_device(ptr, nbytes, self.device, on_free)
         owner = DevicePointer(ptr, nbytes)
         if on_free is not None:
             weakref.finalize(owner, on_free).atexit = False
@@ -105,6 +122,16 @@ class TorchCuda:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def copy_here(self, src: torch.Tensor) -> torch.Tensor:
+        """A copy of ``src`` (a tensor on another GPU) in this device's memory. Torch runs a
+        cross-device copy on the source GPU's current stream between two event barriers: after
+        the work queued so far on this device's current stream (our ready-word wait) and
+        before what is queued on it next (the ack). Without peer access the driver stages it
+        through host memory."""
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        out.copy_(src, non_blocking=True)
+        return out
 
     def read_back(self, src: torch.Tensor) -> bytes:
         """The bytes of a small uint8 device tensor: one copy on a side stream into pinned
@@ -530,17 +557,36 @@ class CudaConsumer:
         acks: AckBlock | None = None,
         driver: DriverAPI | None = None,
         rt: Any = None,
+        cross_gpu: CrossGpu = "auto",
     ) -> None:
         """``ctrl``: the producer's host control block, mapped read-only, and ``acks`` this
         consumer's own ack block (same node). Both None for a consumer on another node, which
-        maps the device control words with ``map_remote_control``."""
+        maps the device control words with ``map_remote_control``.
+
+        ``device``: the GPU to read on (None: the producer's). On the same node another GPU
+        than the producer's reads the slabs in place where it has peer access, else gets
+        copies (``cross_gpu``, ``pool.backends.peer``)."""
         self.ctrl = ctrl
         self.acks = acks
         self.info = cuda_info
         self.driver: DriverAPI = driver if driver is not None else Driver()
-        self.rt = rt if rt is not None else TorchCuda(_pick_device(device, cuda_info))
+        self.link: GpuLink | None = None  # None on another node: no local producer GPU
+        if ctrl is not None:
+            self.link = plan_link(
+                self.driver, _requested(device), cuda_info.get("device_uuid"), cross_gpu
+            )
+            index = self.link.device
+        else:
+            index = _pick_device(device, cuda_info)
+        self.rt = rt if rt is not None else TorchCuda(index)
         self.rt.init()
         self.ordinal: int = self.rt.index
+        # The copy path maps the slabs for the producer's GPU and copies from there: torch's
+        # context on that GPU must exist first (as for our own), and views are built on it.
+        self._source_rt = self.rt
+        if self.link is not None and self.link.path == "copy":
+            self._source_rt = TorchCuda(self.link.producer_device)
+            self._source_rt.init()
         self.driver.use_device(self.ordinal)
         self.slabs: set[_ConsumerSlab] = set()
         self._gran: int | None = cuda_info.get("granularity")
@@ -570,10 +616,25 @@ class CudaConsumer:
             self._gran = self.driver.granularity(self.ordinal, HandleType.POSIX_FD)
         return self._gran
 
+    @property
+    def copy_reason(self) -> str:
+        """Why ``open`` returns copies on this attachment (empty: views in place)."""
+        return self.link.reason if self.link is not None and self.link.path == "copy" else ""
+
+    def copy_here(self, view: torch.Tensor) -> torch.Tensor:
+        """The copy path: ``view`` (on the producer's GPU) copied into this consumer's GPU,
+        stream-ordered after the ready wait already enqueued on the current stream."""
+        return self.rt.copy_here(view)
+
     def _map(self, handle: Any, size: int, *, read_only: bool = True) -> _ConsumerSlab:
+        link = self.link
+        access = self.ordinal if link is None else link.access_device
+        # Views of memory that lives on another GPU are built naming their device (DLPack):
+        # the peer path's views are on this consumer's GPU, the copy path's on the producer's.
+        explicit = link is not None and link.path != "same_device"
         try:
             ptr = map_allocation(
-                self.driver, handle, size, self._granularity(), self.ordinal, read_only=read_only
+                self.driver, handle, size, self._granularity(), access, read_only=read_only
             )
         except BaseException:
             self.driver.mem_release(handle)
@@ -582,7 +643,9 @@ class CudaConsumer:
         slab = _ConsumerSlab(self, m)
         self._mapped += 1
         try:
-            m.base = self.rt.tensor_at(ptr, size, lambda: self._unmap(m))
+            m.base = self._source_rt.tensor_at(
+                ptr, size, lambda: self._unmap(m), explicit_device=explicit
+            )
         except BaseException:
             self._unmap(m)
             raise
@@ -593,6 +656,8 @@ class CudaConsumer:
         """The last view of ``m`` is gone: unmap it once the reads queued on it are done."""
         try:
             self.rt.synchronize()
+            if self._source_rt is not self.rt:  # the copy path read it on the producer's GPU
+                self._source_rt.synchronize()
             unmap_allocation(self.driver, m)
         except Exception:  # runs from a tensor's deleter: log, never raise there
             log.exception("unmapping a consumer slab failed")
@@ -687,9 +752,18 @@ class CudaConsumer:
                     self.driver.release_device()
 
 
+def _requested(device: torch.device | None) -> int | None:
+    """The ordinal of the GPU a same-node consumer asked for (None: the producer's)."""
+    if device is None:
+        return None
+    if device.type != "cuda":
+        raise CudaUnavailable(f"the GPU tier needs a CUDA device, not {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _pick_device(device: torch.device | None, cuda_info: dict[str, Any]) -> int:
-    """The consumer's device: the one asked for, else the producer's GPU by UUID (device
-    indexes differ between processes with different CUDA_VISIBLE_DEVICES), else the current."""
+    """A consumer on another node: the device asked for, else a local GPU with the producer's
+    UUID (the same-node path, when tested on one node), else the current one."""
     if device is not None:
         if device.type != "cuda":
             raise CudaUnavailable(f"the GPU tier needs a CUDA device, not {device}")
