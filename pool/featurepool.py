@@ -484,6 +484,7 @@ class FeaturePool:
                     src.extent, parse_dtype(src.dtype), src.shape
                 )
         lease = self.put(view, ttl_s)
+        lease.grid = src.grid  # a dynamic-resolution tower's image grid travels with its copy
         with self._lock:
             if self.leases.by_slot(src.slot) is not src:
                 if self.leases.by_slot(lease.slot) is lease:
