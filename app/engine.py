@@ -39,7 +39,7 @@ from pool.errors import (
 )
 from pool.featurepool import FeaturePool, lease_slots
 from pool.leases import ImageGrid, Lease
-from pool.server import FabricHandoffServer, HandoffServer
+from pool.server import FabricHandoffServer, HandoffServer, Limits
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Engine:
             allowed_uids=s.socket_allowed_uids,
             allowed_gids=s.socket_allowed_gids,
             token=s.socket_token.get_secret_value() if s.socket_token else None,
-            extra_welcome=self._welcome_extra,
+            limits=self._handoff_limits(),
         )
         self.server.start()
         self._start_remote()
@@ -272,19 +272,15 @@ class Engine:
             address[0],
             address[1],
             token=token.get_secret_value(),
-            welcome=gpu.remote_welcome,  # type: ignore[attr-defined]
+            limits=self._handoff_limits(),
         )
         self.fabric_server.start()
 
-    def _welcome_extra(self) -> dict[str, Any]:
-        """The GPU tier's device identity for consumers; FABRIC handles only when peers must
-        also present the socket token (the uid allowlist alone is not enough to hand out
-        handles that work from other nodes)."""
-        for tier in self.pool.tiers if self.pool else []:
-            info = getattr(tier.backend, "welcome_info", None)
-            if info is not None:
-                return info(include_fabric=self.settings.socket_token is not None)  # type: ignore[no-any-return]
-        return {}
+    def _handoff_limits(self) -> Limits:
+        s = self.settings
+        return Limits(
+            auth_timeout_s=s.socket_auth_timeout_s, max_connections=s.socket_max_connections
+        )
 
     async def stop(self) -> None:
         self.ready = False

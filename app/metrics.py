@@ -91,6 +91,16 @@ class PoolCollector(Collector):
             "Of those, consumers on other nodes (TCP FABRIC hand-off, --fabric-listen)",
             value=s.get("remote_consumers_attached", 0),
         )
+        refused = CounterMetricFamily(
+            "featpool_handoff_refused",
+            "Hand-off connections turned away or ended by the server, by server (unix, tcp) and "
+            "reason (docs/security.md)",
+            labels=["server", "reason"],
+        )
+        for server, reasons in s.get("handoff_refused", {}).items():
+            for reason, n in reasons.items():
+                refused.add_metric([server, reason], n)
+        yield refused
         created = CounterMetricFamily("featpool_leases_created", "Leases created", labels=["tier"])
         for tier, n in s["created"].items():
             created.add_metric([tier], n)

@@ -89,6 +89,19 @@ class Settings(BaseSettings):
     )
     socket_allowed_gids: list[int] = Field(default_factory=list, description="peer gids allowed")
     socket_token: SecretStr | None = Field(None, description="shared secret consumers must send")
+    socket_auth_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds a hand-off connection has to send its hello (Unix socket and TCP); "
+        "then it is closed",
+    )
+    socket_max_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="open connections per hand-off server; at the limit a new one displaces the "
+        "oldest that has not authenticated, or is refused if all are attached consumers",
+    )
     gpu_uuid: str | None = Field(
         None,
         description="GPU identity published in the socket directory's index (pool.discovery); "

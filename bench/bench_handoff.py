@@ -295,7 +295,7 @@ def cross_gpu(args: argparse.Namespace) -> None:
     pool = FeaturePool([backend], max_leases=1024, policy="reject")
     pool.start_reaper(0.005)
     sock = str(Path(tempfile.mkdtemp()) / "bench.sock")
-    server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
+    server = HandoffServer(pool, sock)
     server.start()
     base = torch.randn(FEATURE_SHAPE, device="cuda:0", dtype=torch.bfloat16)
     ctx = mp.get_context("spawn")
@@ -396,7 +396,7 @@ def main() -> None:
     pool = FeaturePool([backend], max_leases=1024, policy="reject")
     pool.start_reaper(0.005)
     sock = str(Path(tempfile.mkdtemp()) / "bench.sock")
-    server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
+    server = HandoffServer(pool, sock)
     server.start()
     base = torch.randn(FEATURE_SHAPE, device="cuda", dtype=torch.bfloat16)
 

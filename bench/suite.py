@@ -390,19 +390,17 @@ class Rig:
             from pool.backends.cuda_vmm import CudaVmmBackend
 
             self.backend = CudaVmmBackend.create(0, pool_bytes, slab_bytes, fabric="off")
-            extra = self.backend.welcome_info
         else:
             from pool.backends.host_shm import HostShmBackend
 
             self.backend = HostShmBackend([slab_bytes] * max(1, pool_bytes // slab_bytes))
-            extra = None
         self.pool = FeaturePool(
             [self.backend], max_leases=1024, policy="wait", wait_s=5.0, default_ttl_s=60
         )
         self.pool.start_reaper(0.002)
         self._dir = tempfile.mkdtemp(prefix="featpool-suite-")
         self.sock = str(Path(self._dir) / "suite.sock")
-        self.server = HandoffServer(self.pool, self.sock, extra_welcome=extra)
+        self.server = HandoffServer(self.pool, self.sock)
         self.server.start()
         ctx = mp.get_context("spawn")
         self.conns: list[Any] = []

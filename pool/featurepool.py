@@ -21,6 +21,7 @@ tier's device -> host copy runs after reservation.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from pool.backends.base import Backend
 from pool.control import AckBlock, ControlBlock, full_fence, reopen_read_only
 from pool.descriptor import MIN_TTL_S, LeaseDescriptor
 from pool.errors import (
+    HandoffError,
     InvalidTensor,
     PoolError,
     PoolExhausted,
@@ -161,8 +163,9 @@ class FeaturePool:
         self.alloc_failures: Counter[str] = Counter()  # by tier
         self.slot_exhaustions = 0  # tensors refused because every lease slot was taken
         self.quarantine: Counter[str] = Counter()  # by outcome: held, released, timed_out
-        self.consumers_attached = 0  # kept by the hand-off server
-        self.remote_consumers_attached = 0  # of those, on other nodes (kept by the TCP server)
+        self.consumers_attached = 0  # kept by the hand-off servers (note_consumer)
+        self.remote_consumers_attached = 0  # of those, on other nodes (the TCP server)
+        self.handoff_refused: Counter[tuple[str, str]] = Counter()  # by (server, reason)
 
     @property
     def epoch(self) -> int:
@@ -515,6 +518,20 @@ class FeaturePool:
             ttl_s=lease.ttl_s,
         )
 
+    # ---- the hand-off ----------------------------------------------------------------------
+
+    def note_consumer(self, delta: int, *, remote: bool = False) -> None:
+        """A hand-off server attached (+1) or lost (-1) a consumer."""
+        with self._lock:
+            self.consumers_attached += delta
+            if remote:
+                self.remote_consumers_attached += delta
+
+    def note_refused(self, server: str, reason: str) -> None:
+        """A hand-off server turned a connection away (``server``: unix or tcp)."""
+        with self._lock:
+            self.handoff_refused[(server, reason)] += 1
+
     # ---- reaping ---------------------------------------------------------------------------
 
     def reap(self) -> int:
@@ -648,33 +665,65 @@ class FeaturePool:
 
     # ---- consumers -------------------------------------------------------------------------
 
-    def attach_consumer(self, peer: str = "") -> Attachment:
-        """A consumer was admitted (the hand-off server authenticated it): make its ack block
-        and the ``welcome`` with its FDs (docs/protocol.md 2). ``peer`` is for the log."""
+    def attach_consumer(
+        self, peer: str = "", *, remote: bool = False, fabric_handles: bool = False
+    ) -> Attachment:
+        """A consumer was admitted (a hand-off server authenticated it): its ``welcome``
+        (docs/protocol.md, sections 2 and 7) and FDs. The one place the welcome is built, for
+        both hand-off servers. ``peer`` is for the log.
+
+        On the node (Unix socket): the consumer gets its own ack block, and the FDs are, in
+        order, the control block read-only, its ack block read-write, then one per entry of
+        ``slabs``. ``fabric_handles``: the ``cuda`` section also lists the GPU slabs' FABRIC
+        handles; only for peers that proved the socket token (a uid means nothing on other
+        nodes, and a handle maps the memory from any of them).
+
+        ``remote`` (TCP, a consumer on another node): FABRIC handles of the GPU tier's slabs
+        and device control words, no FDs and no ack block (``consumer_id`` 0: it acks in the
+        device control words).
+        """
         if self.closed:
             raise PoolError("the pool is closed")
+        welcome: dict[str, Any] = {
+            "op": "welcome",
+            "version": PROTOCOL_VERSION,
+            "epoch": epoch_hex(self.epoch),
+        }
+        gpu = next((t.backend for t in self.tiers if hasattr(t.backend, "device_info")), None)
+        if remote:
+            if gpu is None:
+                raise HandoffError("consumers on other nodes need a GPU tier; this pool has none")
+            control = gpu.remote_control()  # type: ignore[attr-defined]  # raises if not enabled
+            handles = gpu.fabric_handles()  # type: ignore[attr-defined]
+            welcome["remote"] = True
+            welcome["cuda"] = gpu.device_info()
+            welcome["slabs"] = [
+                {
+                    "tier": gpu.tier,
+                    "transport": gpu.transport,
+                    "index": i,
+                    "size": size,
+                    "fabric_handle": base64.b64encode(h).decode(),
+                }
+                for i, (h, size) in enumerate(zip(handles, gpu.slab_sizes, strict=True))
+            ]
+            welcome["control"] = control
+            log.info("remote consumer attached (%s)", peer or "unnamed peer")
+            return Attachment(0, welcome)
         block = AckBlock.create(self.ctrl.nslots)
         fds: list[int] = []
         try:
             fds.append(reopen_read_only(self.ctrl.fd))
             fds.append(os.dup(block.fd))
             slabs: list[dict[str, Any]] = []
-            welcome_extra: dict[str, Any] = {}
             for tier in self.tiers:
-                tier_fds = tier.backend.consumer_fds()
-                fds.extend(tier_fds)
-                for i, size in enumerate(tier.backend.slab_sizes):
+                b = tier.backend
+                fds.extend(b.consumer_fds())
+                for i, size in enumerate(b.slab_sizes):
                     slabs.append(
-                        {
-                            "tier": tier.name,
-                            "transport": tier.backend.transport,
-                            "index": i,
-                            "size": size,
-                        }
+                        {"tier": b.tier, "transport": b.transport, "index": i, "size": size}
                     )
-                info = getattr(tier.backend, "welcome_info", None)
-                if info is not None:
-                    welcome_extra.update(info())
+            cuda = None if gpu is None else gpu.device_info(fabric_handles=fabric_handles)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -684,17 +733,17 @@ class FeaturePool:
             cid = self._next_consumer
             self._next_consumer += 1
             self._consumers[cid] = block
-        welcome: dict[str, Any] = {
-            "op": "welcome",
-            "version": PROTOCOL_VERSION,
-            "epoch": epoch_hex(self.epoch),
-            "consumer_id": cid,
-            "nslots": self.ctrl.nslots,
-            "control_size": self.ctrl.size,
-            "ack_size": block.size,
-            "slabs": slabs,
-            **welcome_extra,
-        }
+        welcome.update(
+            {
+                "consumer_id": cid,
+                "nslots": self.ctrl.nslots,
+                "control_size": self.ctrl.size,
+                "ack_size": block.size,
+                "slabs": slabs,
+            }
+        )
+        if cuda is not None:
+            welcome["cuda"] = cuda
         log.info("consumer %d attached (%s)", cid, peer or "unnamed peer")
         return Attachment(cid, welcome, fds)
 
@@ -761,6 +810,7 @@ class FeaturePool:
                 "consumer_ack_blocks": len(self._consumers),
                 "consumers_attached": self.consumers_attached,
                 "remote_consumers_attached": self.remote_consumers_attached,
+                "handoff_refused": _nested(self.handoff_refused),
             }
 
     def close(self) -> None:
@@ -778,3 +828,11 @@ class FeaturePool:
         for t in self.tiers:
             t.backend.close()
         self.ctrl.close()
+
+
+def _nested(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """{(a, b): n} -> {a: {b: n}}: JSON has no tuple keys (``GET /v1/pool`` serves stats)."""
+    out: dict[str, dict[str, int]] = {}
+    for (a, b), n in sorted(counts.items()):
+        out.setdefault(a, {})[b] = n
+    return out

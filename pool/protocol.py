@@ -2,7 +2,9 @@
 alongside with SCM_RIGHTS. Nothing is ever unpickled. docs/protocol.md is the reference.
 
 A frame is a 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON (an object).
-FDs, when a message carries any, arrive with the first bytes of the frame.
+FDs, when a message carries any, arrive with the first bytes of the frame. Before a connection
+has authenticated (its ``hello``), a frame is at most ``MAX_HELLO_FRAME`` bytes; after, at most
+``MAX_FRAME``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pool.errors import HandoffError
 
 PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20  # a message is a small JSON object; anything larger is an attack or a bug
+MAX_HELLO_FRAME = 4096  # before authentication: a hello is a few dozen bytes plus the token
 MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
 _LEN = struct.Struct(">I")
+HEADER_SIZE = _LEN.size
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -29,11 +33,36 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+def encode_frame(msg: dict[str, Any]) -> bytes:
     body = json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME:
         raise HandoffError(f"message of {len(body)} bytes exceeds {MAX_FRAME}")
-    data = _LEN.pack(len(body)) + body
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(head: bytes | bytearray, limit: int = MAX_FRAME) -> int:
+    """The body length a 4-byte frame header announces; HandoffError if above ``limit``."""
+    (length,) = _LEN.unpack_from(head)
+    if length > limit:
+        raise HandoffError(f"frame of {length} bytes exceeds {limit}")
+    return int(length)
+
+
+def decode_body(body: bytes | bytearray) -> dict[str, Any]:
+    """A frame's body as a message; HandoffError if it is not a JSON object with a string op."""
+    try:
+        msg = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HandoffError(f"frame is not JSON: {e}") from None
+    except RecursionError:  # "[[[[..." a megabyte deep
+        raise HandoffError("frame is nested too deeply") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise HandoffError("a message must be a JSON object with a string 'op'")
+    return msg
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = encode_frame(msg)
     if fds:
         if len(fds) > MAX_FDS:
             raise HandoffError(f"{len(fds)} FDs exceed {MAX_FDS} per message")
@@ -55,19 +84,8 @@ def recv_msg(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str, 
         if not head:
             raise ConnectionError("peer closed the connection")
         head += _recv_exact(sock, _LEN.size - len(head))
-        (length,) = _LEN.unpack(head)
-        if length > MAX_FRAME:
-            raise HandoffError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        body = _recv_exact(sock, length)
-        try:
-            msg = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HandoffError(f"frame is not JSON: {e}") from None
-        except RecursionError:  # "[[[[..." a megabyte deep
-            raise HandoffError("frame is nested too deeply") from None
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise HandoffError("a message must be a JSON object with a string 'op'")
-        return msg, fds
+        body = _recv_exact(sock, frame_length(head))
+        return decode_body(body), fds
     except BaseException:
         for fd in fds:
             _close_quietly(fd)

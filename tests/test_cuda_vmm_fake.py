@@ -508,9 +508,9 @@ def test_fabric_probe_success_exports_handles_for_authenticated_peers() -> None:
         assert len(hs) == 2 and all(len(h) == 64 for h in hs)
         assert be.fabric_handles() == hs
         assert drv.names().count("export_fabric") == 1 + 2  # the probe's, then once per slab
-        info = be.welcome_info(include_fabric=True)["cuda"]
+        info = be.device_info(fabric_handles=True)
         assert [base64.b64decode(h) for h in info["fabric_handles"]] == hs
-        assert "fabric_handles" not in be.welcome_info()["cuda"]
+        assert "fabric_handles" not in be.device_info()
         # The importing side: a peer with the channel maps the handle read-only.
         ctrl = ControlBlock.create(4)
         cons = CudaConsumer(ctrl, info, None, driver=drv, rt=FakeRuntime(drv))
@@ -531,7 +531,7 @@ def test_fabric_not_permitted_falls_back_to_posix_fd() -> None:
         assert not st.available and "no IMEX channel (/dev/nvidia-caps-imex-channels)" in st.reason
         assert "falling back to POSIX FD" in st.reason
         assert be.handle_types == HandleType.POSIX_FD
-        assert be.welcome_info(include_fabric=True)["cuda"]["fabric"]["available"] is False
+        assert be.device_info(fabric_handles=True)["fabric"]["available"] is False
         with pytest.raises(CudaUnavailable, match="IMEX"):
             be.fabric_handles()
         assert len(be.slab_fds()) == 2
@@ -579,7 +579,7 @@ def test_consumer_maps_read_only_waits_and_acks(
 
     be, drv = make()
     pool = FeaturePool([be], max_leases=8)
-    server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
+    server = HandoffServer(pool, tmp_path / "fp.sock")
     server.start()
     monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
     monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
@@ -711,7 +711,7 @@ def remote_served(
     be, drv = make(permitted=True)
     pool = FeaturePool([be], max_leases=nslots)
     be.enable_remote(pool.ctrl.nslots)
-    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN, welcome=be.remote_welcome)
+    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN)
     server.start()
     return be, drv, pool, server
 
@@ -794,7 +794,7 @@ def test_remote_hand_off_refuses_a_bad_token_and_a_missing_one(
 ) -> None:
     from pool.client import FeatureClient
 
-    be, drv, pool, server = remote_served()
+    _, drv, pool, server = remote_served()
     fake_consumer_side(monkeypatch, drv)
     try:
         url = f"tcp://127.0.0.1:{server.port}"
@@ -805,7 +805,7 @@ def test_remote_hand_off_refuses_a_bad_token_and_a_missing_one(
         assert pool.stats()["remote_consumers_attached"] == 0
         assert "import_fabric" not in drv.names()  # nothing was handed out
         with pytest.raises(HandoffError, match="needs a token"):
-            FabricHandoffServer(pool, "127.0.0.1", 0, token="", welcome=be.remote_welcome)
+            FabricHandoffServer(pool, "127.0.0.1", 0, token="")
     finally:
         server.close()
         pool.close()
@@ -819,7 +819,7 @@ def test_remote_consumers_need_fabric() -> None:
             be.enable_remote(8)
         assert be.remote is None
         with pytest.raises(HandoffError, match="not enabled"):
-            be.remote_welcome()
+            be.remote_control()
     finally:
         be.close()
     assert_nothing_left(drv)
@@ -834,7 +834,7 @@ def test_remote_consumer_is_told_to_fetch_host_tier_leases_over_http(
     be, drv = make(permitted=True)
     pool = FeaturePool([be, HostShmBackend([8 * MiB])], max_leases=8)
     be.enable_remote(pool.ctrl.nslots)
-    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN, welcome=be.remote_welcome)
+    server = FabricHandoffServer(pool, "127.0.0.1", 0, token=TOKEN)
     server.start()
     fake_consumer_side(monkeypatch, drv)
     try:
@@ -970,7 +970,7 @@ def served_on_gpu0(
 ) -> tuple[CudaVmmBackend, FeaturePool, HandoffServer]:
     be = CudaVmmBackend.create(0, 8 * MiB, 4 * MiB, driver=drv, rt=FakeRuntime(drv))
     pool = FeaturePool([be], max_leases=8)
-    server = HandoffServer(pool, tmp_path / "fp.sock", extra_welcome=be.welcome_info)
+    server = HandoffServer(pool, tmp_path / "fp.sock")
     server.start()
     return be, pool, server
 

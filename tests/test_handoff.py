@@ -109,6 +109,7 @@ def test_peer_outside_allowlist_is_refused(tmp_path: Path) -> None:
         with pytest.raises(PeerRejected, match="not allowed"):
             FeatureClient.connect(server.path)
         assert pool.stats()["consumers_attached"] == 0
+        assert pool.stats()["handoff_refused"] == {"unix": {"peer_not_allowed": 1}}
     finally:
         server.close()
         pool.close()
@@ -248,8 +249,13 @@ def test_second_server_on_a_live_socket_is_refused(
     served: tuple[FeaturePool, HandoffServer],
 ) -> None:
     pool, server = served
+    second = HandoffServer(pool, server.path)
     with pytest.raises(HandoffError, match="another featpool server"):
-        HandoffServer(pool, server.path).start()
+        second.start()
+    second.close()  # as the engine's stop() does after a failed start: the file is not its own
+    assert server.path.exists()
+    with FeatureClient.connect(server.path) as c:
+        assert c.epoch
 
 
 def test_inline_leases_are_released_over_the_socket(tmp_path: Path) -> None:

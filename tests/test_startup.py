@@ -61,34 +61,57 @@ class _GpuTierStub(HostShmBackend):
 
     tier = "gpu"
 
-    def welcome_info(self, *, include_fabric: bool = False) -> dict[str, Any]:
+    def device_info(self, *, fabric_handles: bool = False) -> dict[str, Any]:
         info: dict[str, Any] = {"device_index": 0, "fabric": {"available": True}}
-        if include_fabric:
+        if fabric_handles:
             info["fabric_handles"] = ["aGFuZGxl"]
-        return {"cuda": info}
+        return info
+
+
+def _welcome_from(pool: FeaturePool, sock: Path, token: str | None) -> dict[str, Any]:
+    """The welcome a consumer gets from the engine's kind of hand-off server."""
+    import os
+    import socket
+
+    from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
+    from pool.server import HandoffServer
+
+    server = HandoffServer(pool, sock, token=token)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(5)
+            c.connect(str(sock))
+            send_msg(c, {"op": "hello", "version": PROTOCOL_VERSION, "token": token})
+            msg, fds = recv_msg(c, want_fds=True)
+            for fd in fds:
+                os.close(fd)
+        return msg
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize(("token", "handles"), [(None, False), ("t0ken", True)])
 def test_fabric_handles_only_go_to_token_holders(
     tmp_path: Path, token: str | None, handles: bool
 ) -> None:
-    eng = Engine(Settings(socket_path=tmp_path / "s", socket_token=token), Metrics())
-    eng.pool = FeaturePool([_GpuTierStub([2 << 20])])
+    pool = FeaturePool([_GpuTierStub([2 << 20])])
     try:
-        welcome = eng._welcome_extra()
+        welcome = _welcome_from(pool, tmp_path / "s", token)
+        assert welcome["op"] == "welcome"
         assert welcome["cuda"]["device_index"] == 0
         assert ("fabric_handles" in welcome["cuda"]) is handles
     finally:
-        eng.pool.close()
+        pool.close()
 
 
 def test_no_gpu_tier_means_no_cuda_section(tmp_path: Path) -> None:
-    eng = Engine(Settings(socket_path=tmp_path / "s"), Metrics())
-    eng.pool = FeaturePool([HostShmBackend([2 << 20])])
+    pool = FeaturePool([HostShmBackend([2 << 20])])
     try:
-        assert eng._welcome_extra() == {}
+        welcome = _welcome_from(pool, tmp_path / "s", None)
+        assert welcome["op"] == "welcome" and "cuda" not in welcome
     finally:
-        eng.pool.close()
+        pool.close()
 
 
 class _Status:

@@ -338,31 +338,16 @@ class CudaVmmBackend:
         """Every slot's ack word as remote consumers wrote it (numpy u32), or None."""
         return None if self.remote is None else self.remote.read_slots()["ack"]
 
-    def remote_welcome(self) -> dict[str, Any]:
-        """What a consumer on another node maps: every slab's and the control words' FABRIC
-        handle (base64). Only for authenticated peers: a handle maps the memory."""
+    def remote_control(self) -> dict[str, Any]:
+        """The ``control`` section of a remote welcome: the device control words' FABRIC
+        handle (base64), size and slot count. Only for authenticated peers: a handle maps the
+        memory. ``FeaturePool.attach_consumer`` builds the message."""
         if self.remote is None:
             raise HandoffError("remote consumers are not enabled on this pool")
-        b64 = base64.b64encode
         return {
-            **self.welcome_info(),
-            "slabs": [
-                {
-                    "tier": self.tier,
-                    "transport": self.transport,
-                    "index": i,
-                    "size": size,
-                    "fabric_handle": b64(h).decode(),
-                }
-                for i, (h, size) in enumerate(
-                    zip(self.fabric_handles(), self.slab_sizes, strict=True)
-                )
-            ],
-            "control": {
-                "fabric_handle": b64(self.remote.fabric_handle()).decode(),
-                "size": self.remote.size,
-                "nslots": self.remote.nslots,
-            },
+            "fabric_handle": base64.b64encode(self.remote.fabric_handle()).decode(),
+            "size": self.remote.size,
+            "nslots": self.remote.nslots,
         }
 
     # ---- the Backend protocol --------------------------------------------------------------
@@ -469,9 +454,9 @@ class CudaVmmBackend:
             self._fabric = [self.driver.export_fabric(m.handle) for m in self._slabs]
         return list(self._fabric)
 
-    def welcome_info(self, *, include_fabric: bool = False) -> dict[str, Any]:
-        """What consumers need beyond the FDs; pass as the hand-off server's ``extra_welcome``
-        (``lambda: backend.welcome_info(include_fabric=...)``)."""
+    def device_info(self, *, fabric_handles: bool = False) -> dict[str, Any]:
+        """The welcome's ``cuda`` section: what consumers need beyond the FDs to find the GPU
+        and map its slabs (``FeaturePool.attach_consumer`` builds the message)."""
         info: dict[str, Any] = {
             "device_index": self.ordinal,
             "device_uuid": self.rt.uuid(),
@@ -481,9 +466,9 @@ class CudaVmmBackend:
                 "reason": self.fabric_status.reason,
             },
         }
-        if include_fabric and self.fabric_status.available:
+        if fabric_handles and self.fabric_status.available:
             info["fabric_handles"] = [base64.b64encode(h).decode() for h in self.fabric_handles()]
-        return {"cuda": info}
+        return info
 
     def close(self) -> None:
         if self._closed:

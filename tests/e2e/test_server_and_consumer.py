@@ -124,3 +124,34 @@ def test_consumer_killed_holding_leases_they_expire(server: tuple[str, Path]) ->
     assert pool["leases_active"] == 0 and pool["tiers"][0]["used_bytes"] == 0
     assert pool["consumers_attached"] == 0
     assert httpx.get(f"{url}/v1/leases/{lease['lease_id']}").status_code == 410
+
+
+def test_handoff_limits_from_the_command_line(tmp_path: Path) -> None:
+    """--socket-auth-timeout-s and --socket-max-connections as a user sets them: a silent
+    connection is closed at the deadline, a connection past the cap displaces it, a consumer
+    still attaches, and /metrics counts each refusal by reason."""
+    import socket
+
+    from pool.client import FeatureClient
+    from pool.protocol import recv_msg
+
+    sock = tmp_path / "featpool.sock"
+    args = ("--socket-auth-timeout-s", "0.5", "--socket-max-connections", "2")
+    with server_process(sock, tmp_path / "server.log", *args) as (url, _):
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+        t0 = time.monotonic()
+        for s in silent:
+            s.settimeout(10)
+            s.connect(str(sock))
+        kinds = [recv_msg(s)[0]["type"] for s in silent]
+        assert kinds == ["too_many_connections", "auth_timeout", "auth_timeout"]
+        assert time.monotonic() - t0 < 5
+        for s in silent:
+            s.close()
+        with FeatureClient.connect(sock) as client:
+            assert client.epoch == httpx.get(f"{url}/v1/pool").json()["epoch"]
+        text = httpx.get(f"{url}/metrics").text
+        assert 'featpool_handoff_refused_total{reason="auth_timeout",server="unix"} 2.0' in text
+        assert 'featpool_handoff_refused_total{reason="evicted",server="unix"} 1.0' in text
+        pool = httpx.get(f"{url}/v1/pool").json()
+        assert pool["handoff_refused"] == {"unix": {"auth_timeout": 2, "evicted": 1}}

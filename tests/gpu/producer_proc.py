@@ -22,7 +22,7 @@ def main() -> None:
     backend = CudaVmmBackend.create(0, int(pool_mb) << 20, int(slab_mb) << 20)
     pool = FeaturePool([backend], max_leases=int(max_leases), policy="reject")
     pool.start_reaper(float(reaper_s))
-    server = HandoffServer(pool, sock, extra_welcome=backend.welcome_info)
+    server = HandoffServer(pool, sock)
     server.start()
     out = sys.stdout
     out.write(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -68,7 +69,10 @@ def test_integrity_over_many_leases_of_mixed_sizes(sock: Path) -> None:
     p = Producer(sock, pool_mb=64, slab_mb=32, max_leases=64)
     try:
         with FeatureClient.connect(sock) as client:
-            assert client.welcome["cuda"]["device_uuid"]
+            # The format docs/protocol.md states: 8-4-4-4-12 lowercase hex, no "GPU-" prefix.
+            uuid = client.welcome["cuda"]["device_uuid"]
+            assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", uuid), uuid
+            assert client.welcome["cuda"]["granularity"] == 2 << 20
             rng = random.Random(7)
             checked = 0
             for batch in range(15):

@@ -51,9 +51,7 @@ class Remote:
         ctl_fd = self.backend.driver.export_fd(remote._m.handle)
         self.backend.fabric_handles = lambda: [handle_of(fd) for fd in slab_fds]  # type: ignore[method-assign]
         remote.fabric_handle = lambda: handle_of(ctl_fd)  # type: ignore[method-assign]
-        self.server = FabricHandoffServer(
-            self.pool, "127.0.0.1", 0, token=TOKEN, welcome=self.backend.remote_welcome
-        )
+        self.server = FabricHandoffServer(self.pool, "127.0.0.1", 0, token=TOKEN)
         self.server.start()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.gpu.remote_consumer_proc", str(self.server.port), TOKEN],
