@@ -43,10 +43,13 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/venv/bin/pip install --require-hashes --no-deps -r "requirements/cuda-${CUDA_VERSION%.*}.txt"
 
 # Then the project alone: no dependencies, and no build backend fetched (hatchling is locked).
-# Only what the wheel needs: the metadata (pyproject.toml names README.md) and the two packages.
+# Only what the wheel needs: the metadata (pyproject.toml names README.md) and the packages.
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY pool ./pool
+# The engine integrations (docs/integrations.md): small, and part of the package.
+COPY featpool_vllm ./featpool_vllm
+COPY featpool_sglang ./featpool_sglang
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
  && /opt/venv/bin/pip check \
  && /opt/venv/bin/python -c "import app, pool, torchvision, transformers, cuda.bindings.driver"

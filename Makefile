@@ -53,8 +53,8 @@ lock:
 	done
 
 lint: install-dev
-	$(VENV)/bin/ruff check app pool tests bench
-	$(VENV)/bin/ruff format --check app pool tests bench
+	$(VENV)/bin/ruff check app pool featpool_vllm featpool_sglang tests bench
+	$(VENV)/bin/ruff format --check app pool featpool_vllm featpool_sglang tests bench
 	$(VENV)/bin/mypy
 
 clean:

@@ -21,12 +21,22 @@ from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import ApiError
+from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, decode_upright, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, orient
 from app.settings import Settings
-from pool.errors import CudaError, CudaUnavailable, PoolError
+from pool.descriptor import LeaseDescriptor
+from pool.errors import (
+    CudaError,
+    CudaUnavailable,
+    LeaseExpired,
+    LeaseNotFound,
+    LeaseReleased,
+    PoolError,
+    StaleLease,
+)
 from pool.featurepool import FeaturePool, lease_slots
 from pool.leases import ImageGrid, Lease
 from pool.server import FabricHandoffServer, HandoffServer, Limits
@@ -79,6 +89,15 @@ def is_sticky(e: BaseException) -> bool:
 
 
 @dataclass
+class Published:
+    """One image's answer: its lease, the hash of its features, and whether they were reused."""
+
+    lease: Lease
+    feature_hash: str
+    cached: bool
+
+
+@dataclass
 class Job:
     label: str
     ttl_s: float | None
@@ -119,6 +138,7 @@ class Engine:
         self._mean = self._std = torch.empty(0)
         self._spec: ImageSpec | None = None  # the model's own preprocessing, if it has one
         self._buckets: list[int] = []
+        self.index = FeatureIndex(settings.feature_cache_entries)
         self._decode_stream: Any = None  # CUDA: decode and preprocess run on their own
 
     @property
@@ -341,6 +361,167 @@ class Engine:
         leases = await self.batcher.submit(ready)
         self.metrics.images.labels("encoded").inc(len(leases))
         return leases
+
+    # ---- content-addressed features (app/featindex.py) --------------------------------------
+
+    def identity(self, pooled: bool, dtype: torch.dtype | None) -> dict[str, Any]:
+        """What the features of given bytes depend on, besides the bytes: the model, its
+        preprocessing (a fixed-size tower's size, mean, std and processor configuration, or a
+        dynamic tower's processor: pixel budget, patch and merge sizes), and the dtype."""
+        enc = self.encoder
+        assert enc is not None
+        pre = getattr(enc, "pre", None) if is_dynamic(enc) else self._spec
+        return {
+            "encoder": enc.name,
+            "weights": str(self.settings.encoder_weights or ""),
+            "image_size": getattr(enc, "image_size", None),
+            "mean": list(getattr(enc, "mean", ())),
+            "std": list(getattr(enc, "std", ())),
+            "output_shape": list(getattr(enc, "output_shape", ())),
+            "preprocess": repr(pre) if pre is not None else "",
+            "encoder_dtype": str(enc.dtype).removeprefix("torch."),
+            "dtype": str(dtype or enc.dtype).removeprefix("torch."),
+            "pooled": pooled,
+        }
+
+    async def encode_cached(
+        self,
+        images: Sequence[ImageIn],
+        ttl_s: float | None,
+        *,
+        pooled: bool = False,
+        dtype: torch.dtype | None = None,
+        scope: str = "",
+        ids: Sequence[str | None] | None = None,
+    ) -> list[Published]:
+        """``encode``, except that images whose features are still in the pool (same bytes,
+        same encoder identity, same scope) get a new lease on a copy of them: no decode, no
+        forward pass. All or nothing, like ``encode``."""
+        if not self.ready or self.encoder is None or self.pool is None:
+            raise ApiError("not_ready", "the service is starting or draining")
+        ident = identity_digest(self.identity(pooled, dtype))
+        digests = [feature_hash(ident, img.data) for img in images]
+        names = list(ids) if ids is not None else [None] * len(images)
+        for name, digest in zip(names, digests, strict=True):
+            if name is not None:
+                self.index.check_id(scope, name, digest)  # 409 before any work
+        out: list[Published | None] = [None] * len(images)
+        try:
+            if self.index.max_entries > 0:
+                for i, digest in enumerate(digests):
+                    lease = self._reuse(scope, digest, ttl_s, names[i])
+                    if lease is not None:
+                        out[i] = Published(lease, digest, True)
+            todo = [i for i, p in enumerate(out) if p is None]
+            if todo:
+                leases = await self.encode(
+                    [images[i] for i in todo], ttl_s, pooled=pooled, dtype=dtype
+                )
+                for i, lease in zip(todo, leases, strict=True):
+                    out[i] = Published(lease, digests[i], False)
+                    if self.index.max_entries > 0:
+                        self.index.add(
+                            scope,
+                            digests[i],
+                            lease.id,
+                            shape=lease.shape,
+                            dtype=lease.dtype,
+                            client_id=names[i],
+                        )
+        except BaseException:
+            for p in out:
+                if p is not None:
+                    self.release_quietly(p.lease.id)
+            raise
+        return [p for p in out if p is not None]
+
+    def describe_published(self, p: Published) -> LeaseDescriptor:
+        """The lease descriptor with the feature hash and whether the features were reused."""
+        assert self.pool is not None
+        return self.pool.describe(p.lease).model_copy(
+            update={"feature_hash": p.feature_hash, "cached": p.cached}
+        )
+
+    def _reuse(
+        self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None
+    ) -> Lease | None:
+        """A new lease on a copy of the indexed features, or None (counted as a miss)."""
+        assert self.pool is not None
+        _, candidates = self.index.candidates(scope, digest)
+        for lease_id in candidates:
+            try:
+                lease = self.pool.copy_lease(lease_id, ttl_s)
+            except (LeaseExpired, LeaseReleased, LeaseNotFound, StaleLease):
+                self.index.forget_lease(scope, digest, lease_id)
+                continue
+            self.index.add(
+                scope, digest, lease.id, shape=lease.shape, dtype=lease.dtype, client_id=client_id
+            )
+            self.index.count(hit=True)
+            return lease
+        self.index.count(hit=False)
+        return None
+
+    def feature_info(
+        self,
+        scope: str,
+        ref: str,
+        shape: Sequence[int] | None = None,
+        dtype: str | None = None,
+    ) -> tuple[str, tuple[int, ...], str]:
+        """(hash, shape, dtype) of the features named by a hash or client id in this scope.
+        404 when unknown or no longer resident; 409 when they disagree with what the caller
+        expects (``shape``, ``dtype``)."""
+        if self.pool is None:
+            raise ApiError("not_ready", "the pool is not built yet")
+        digest = self.index.resolve(scope, ref)
+        entry, candidates = self.index.candidates(scope, digest) if digest else (None, [])
+        for lease_id in candidates:
+            try:
+                self.pool.get(lease_id)
+                break
+            except PoolError:
+                assert digest is not None
+                self.index.forget_lease(scope, digest, lease_id)
+        else:
+            entry = None
+        if entry is None or digest is None:
+            raise ApiError(
+                "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
+            )
+        if (shape is not None and tuple(shape) != entry.shape) or (
+            dtype is not None and dtype != entry.dtype
+        ):
+            raise ApiError(
+                "feature_mismatch",
+                f"{ref[:80]!r} holds {entry.dtype} {list(entry.shape)}, "
+                f"not {dtype or entry.dtype} {list(shape) if shape else list(entry.shape)}",
+            )
+        return digest, entry.shape, entry.dtype
+
+    def lease_features(
+        self,
+        scope: str,
+        ref: str,
+        ttl_s: float | None,
+        shape: Sequence[int] | None = None,
+        dtype: str | None = None,
+    ) -> Published:
+        """A new lease on the resident features named by a hash or client id."""
+        if self.pool is not None and ttl_s is not None:
+            self.pool.clamp_ttl(ttl_s)
+        try:
+            digest, _, _ = self.feature_info(scope, ref, shape, dtype)
+        except ApiError as e:
+            if e.type == "feature_not_found":
+                self.index.count(hit=False)
+            raise
+        lease = self._reuse(scope, digest, ttl_s)
+        if lease is None:  # its last lease ended a moment ago
+            raise ApiError(
+                "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
+            )
+        return Published(lease, digest, True)
 
     def _prepare(self, img: ImageIn, size: int | None) -> Job:
         """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.imaging import Header
-from pool.descriptor import LeaseDescriptor
+from pool.descriptor import FeatureInfo, LeaseDescriptor
 
 
 class EngineDeadError(Exception):
@@ -43,6 +43,16 @@ class EncodeOptions:
     ttl_s: float | None = None  # lease deadline; None: the pool's default
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: the encoder's
+    scope: str = ""  # the caller's feature-cache scope (app/featindex.py scope_of)
+    ids: tuple[str | None, ...] | None = None  # client ids naming each image's features
+
+
+@dataclass(frozen=True)
+class FeatureQuery:
+    scope: str  # the caller's feature-cache scope
+    ref: str  # a feature hash or a client id
+    shape: tuple[int, ...] | None = None  # what the caller expects: 409 if it disagrees
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def lease(self, lease_id: str) -> LeaseDescriptor: ...
+
+    @abstractmethod
+    async def features(self, q: FeatureQuery) -> FeatureInfo:
+        """Resident features named by a hash or client id, in the caller's scope (404/409)."""
+
+    @abstractmethod
+    async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
+        """A new lease on a copy of resident features, without encoding (404/409)."""
 
     @abstractmethod
     async def tensor(self, lease_id: str) -> bytes:

@@ -10,9 +10,15 @@ import torch
 from safetensors.torch import save
 
 from app.engine import Engine
-from app.engine_client import EncodeOptions, EngineClient, EngineHealth, ImageIn
+from app.engine_client import (
+    EncodeOptions,
+    EngineClient,
+    EngineHealth,
+    FeatureQuery,
+    ImageIn,
+)
 from app.errors import ApiError
-from pool.descriptor import LeaseDescriptor
+from pool.descriptor import FeatureInfo, LeaseDescriptor
 from pool.featurepool import FeaturePool
 
 
@@ -30,9 +36,23 @@ class InProcessEngineClient(EngineClient):
         self, images: Sequence[ImageIn], options: EncodeOptions
     ) -> list[LeaseDescriptor]:
         dtype = getattr(torch, options.dtype) if options.dtype else None
-        leases = await self.engine.encode(images, options.ttl_s, pooled=options.pooled, dtype=dtype)
-        pool = self._pool()
-        return [pool.describe(lease) for lease in leases]
+        published = await self.engine.encode_cached(
+            images,
+            options.ttl_s,
+            pooled=options.pooled,
+            dtype=dtype,
+            scope=options.scope,
+            ids=options.ids,
+        )
+        return [self.engine.describe_published(p) for p in published]
+
+    async def features(self, q: FeatureQuery) -> FeatureInfo:
+        digest, shape, dtype = self.engine.feature_info(q.scope, q.ref, q.shape, q.dtype)
+        return FeatureInfo(feature_hash=digest, shape=list(shape), dtype=dtype)
+
+    async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
+        p = self.engine.lease_features(q.scope, q.ref, ttl_s, q.shape, q.dtype)
+        return self.engine.describe_published(p)
 
     async def lease(self, lease_id: str) -> LeaseDescriptor:
         p = self._pool()
@@ -67,6 +87,7 @@ class InProcessEngineClient(EngineClient):
         stats["socket_path"] = str(self.engine.settings.socket_path)
         stats["capabilities"] = vars(self.engine.caps) if self.engine.caps else {}
         stats["decoder"] = self.engine.decoder_name
+        stats["feature_cache"] = self.engine.index.stats()
         return stats
 
     async def health(self) -> EngineHealth:

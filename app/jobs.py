@@ -9,8 +9,10 @@ travels this channel. No torch here: fronts import this module.
 
 Frames on a Unix socket (mode 0600: same user only), both directions: a 4-byte big-endian
 header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
-  front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype",
+  front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "scope", "ids",
                   "images": [[label, size, header], ...]} + the images' bytes, concatenated
+                 {"id", "op": "features" | "lease_features", "scope", "ref", "shape",
+                  "dtype", "ttl_s"}
                  {"id", "op": "lease" | "tensor" | "release", "lease_id"}
                  {"id", "op": "renew", "lease_id", "ttl_s"}
                  {"id", "op": "pool" | "health"}
@@ -35,10 +37,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.admission import Admission
-from app.engine_client import EncodeOptions, EngineClient, EngineHealth, ImageIn
+from app.engine_client import (
+    EncodeOptions,
+    EngineClient,
+    EngineHealth,
+    FeatureQuery,
+    ImageIn,
+)
 from app.errors import STATUS, ApiError
 from app.imaging import Header
-from pool.descriptor import EncodeResponse, LeaseDescriptor
+from pool.descriptor import EncodeResponse, FeatureInfo, LeaseDescriptor
 from pool.errors import PoolError
 
 if TYPE_CHECKING:  # the GPU process's side only; fronts never import it
@@ -80,6 +88,15 @@ async def _read(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
 
 def _error(kind: str, message: str) -> tuple[int, dict[str, Any]]:
     return STATUS.get(kind, 500), {"error": {"type": kind, "message": message}}
+
+
+def _query(q: FeatureQuery) -> dict[str, Any]:
+    return {
+        "scope": q.scope,
+        "ref": q.ref,
+        "shape": list(q.shape) if q.shape is not None else None,
+        "dtype": q.dtype,
+    }
 
 
 class JobServer:
@@ -168,11 +185,29 @@ class JobServer:
             # The fronts' permits bound each front; this one bounds them all together.
             decoded = sum(i.header.decoded_bytes for i in images if i.header is not None)
             with self._admission.try_acquire(len(images), decoded):
-                options = EncodeOptions(h.get("ttl_s"), bool(h.get("pooled")), h.get("dtype"))
+                ids = h.get("ids")
+                options = EncodeOptions(
+                    h.get("ttl_s"),
+                    bool(h.get("pooled")),
+                    h.get("dtype"),
+                    scope=str(h.get("scope") or ""),
+                    ids=tuple(None if i is None else str(i) for i in ids) if ids else None,
+                )
                 items = await c.encode(images, options)
             return EncodeResponse(items=items).model_dump(mode="json"), b""
         if op == "lease":
             return (await c.lease(str(h["lease_id"]))).wire(), b""
+        if op in ("features", "lease_features"):
+            shape = h.get("shape")
+            q = FeatureQuery(
+                str(h.get("scope") or ""),
+                str(h["ref"]),
+                tuple(int(x) for x in shape) if shape is not None else None,
+                h.get("dtype"),
+            )
+            if op == "features":
+                return (await c.features(q)).model_dump(mode="json"), b""
+            return (await c.lease_features(q, h.get("ttl_s"))).wire(), b""
         if op == "tensor":
             return {}, await c.tensor(str(h["lease_id"]))
         if op == "renew":
@@ -211,6 +246,8 @@ class JobClient(EngineClient):
                 "ttl_s": options.ttl_s,
                 "pooled": options.pooled,
                 "dtype": options.dtype,
+                "scope": options.scope,
+                "ids": list(options.ids) if options.ids is not None else None,
                 "images": [[i.label, len(i.data), h] for i, h in zip(images, heads, strict=True)],
             },
             [i.data for i in images],
@@ -219,6 +256,14 @@ class JobClient(EngineClient):
 
     async def lease(self, lease_id: str) -> LeaseDescriptor:
         body, _ = await self._call({"op": "lease", "lease_id": lease_id})
+        return LeaseDescriptor.parse(body)
+
+    async def features(self, q: FeatureQuery) -> FeatureInfo:
+        body, _ = await self._call({"op": "features", **_query(q)})
+        return FeatureInfo.model_validate(body)
+
+    async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
+        body, _ = await self._call({"op": "lease_features", "ttl_s": ttl_s, **_query(q)})
         return LeaseDescriptor.parse(body)
 
     async def tensor(self, lease_id: str) -> bytes:

@@ -63,6 +63,7 @@ def create_app(
             str(engine.device),
             engine.decoder_name,
         ).set(1)
+        metrics.watch_feature_index(engine.index.stats)
         metrics.ready.set_function(lambda: float(engine.ready and not engine.dead_reason))
         metrics.queue_depth.set_function(
             lambda: float(engine.batcher.depth if engine.batcher else 0)

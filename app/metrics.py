@@ -255,3 +255,38 @@ class Metrics(HttpMetrics):
 
     def watch_pool(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(PoolCollector(stats))
+
+    def watch_feature_index(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(FeatureIndexCollector(stats))
+
+
+class FeatureIndexCollector(Collector):
+    """The content-addressed feature index (app/featindex.py), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "featpool_feature_cache_entries",
+            "Images whose features the index can reuse",
+            s["entries"],
+        )
+        lookups = CounterMetricFamily(
+            "featpool_feature_cache_lookups",
+            "Images and lookups by hash or id: hit (a copy of resident features, no encode) "
+            "or miss",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], s["hits"])
+        lookups.add_metric(["miss"], s["misses"])
+        yield lookups
+        evictions = CounterMetricFamily(
+            "featpool_feature_cache_evictions",
+            "Index entries dropped: capacity (LRU) or ended (their leases all ended)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s["evictions"].items()):
+            evictions.add_metric([reason], n)
+        yield evictions

@@ -21,23 +21,45 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from app.admission import Admission, BoundedExecutor
-from app.engine_client import EncodeOptions, EngineClient, EngineDeadError, ImageIn, engine_client
+from app.engine_client import (
+    EncodeOptions,
+    EngineClient,
+    EngineDeadError,
+    FeatureQuery,
+    ImageIn,
+    engine_client,
+)
 from app.errors import ApiError
+from app.featindex import check_id, scope_of
 from app.imaging import Header, check_content_type, inspect, request_decoded_bytes
 from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
-from pool.descriptor import MIN_TTL_S, EncodeResponse, LeaseDescriptor
+from pool.descriptor import MIN_TTL_S, EncodeResponse, FeatureInfo, LeaseDescriptor
+
+
+def _api_keys(settings: Settings) -> list[str]:
+    keys = [settings.api_key] if settings.api_key is not None else []
+    return [k.get_secret_value() for k in [*keys, *settings.api_keys]]
 
 
 async def check_api_key(request: Request) -> None:
     # async: FastAPI runs a plain def dependency on a worker thread, one hop per request (15 %
     # of a front's interpreter time at ~450 requests/s in a py-spy profile)
-    key = request.app.state.settings.api_key
-    if key is None:
+    keys = _api_keys(request.app.state.settings)
+    if not keys:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode()):
+    given = request.headers.get("authorization", "").encode()
+    # Compare with every key (no early exit), so the time taken does not say which matched.
+    matches = [hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys]
+    if not any(matches):
         raise ApiError("unauthorized", "missing or wrong 'Authorization: Bearer <api key>'")
+
+
+def caller_scope(request: Request) -> str:
+    """The feature-cache scope of an authenticated caller: one per API key ("" without)."""
+    if not _api_keys(request.app.state.settings):
+        return ""
+    return scope_of(request.headers.get("authorization", "").removeprefix("Bearer "))
 
 
 class RenewIn(BaseModel):
@@ -55,6 +77,20 @@ TtlQuery = Annotated[
 PooledQuery = Annotated[
     bool,
     Query(description="publish the mean over tokens, shape [D], instead of every token, [T, D]"),
+]
+IdQuery = Annotated[
+    str | None,
+    Query(
+        description="a name of your own for the image's features (one image per request; "
+        "multipart: one 'id' field per image), usable in place of the hash in /v1/features",
+    ),
+]
+ShapeQuery = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,9}(,[0-9]{1,9}){0,3}$",
+        description="the shape you expect, e.g. 196,768: refused (409) if it disagrees",
+    ),
 ]
 DtypeQuery = Annotated[
     Literal["float32", "bfloat16", "float16"] | None,
@@ -103,19 +139,46 @@ ENCODE_BODY = {
     responses={400: {}, 413: {}, 415: {}, 422: {}, 429: {}, 503: {}},
 )
 async def encode(
-    request: Request, ttl_s: TtlQuery = None, pooled: PooledQuery = False, dtype: DtypeQuery = None
+    request: Request,
+    ttl_s: TtlQuery = None,
+    pooled: PooledQuery = False,
+    dtype: DtypeQuery = None,
+    id: IdQuery = None,
 ) -> EncodeResponse:
     """Multipart with one or more ``image`` parts, or a raw image body. Returns one lease per
-    image, in order."""
+    image, in order. Images whose features are still in the pool (same bytes, same encoder)
+    are not encoded again: their lease holds a copy of those features (``cached``)."""
     s: Settings = request.app.state.settings
     ctype = request.headers.get("content-type", "")
+    ids: list[str | None] | None = None
     if ctype.startswith("multipart/form-data"):
-        images = await _multipart_images(request, s)
+        images, form_ids = await _multipart_images(request, s)
+        if form_ids:
+            if id is not None:
+                raise ApiError("validation_error", "give ids as ?id= or as 'id' fields, not both")
+            if len(form_ids) != len(images):
+                raise ApiError(
+                    "validation_error",
+                    f"{len(form_ids)} 'id' fields for {len(images)} images: give one per image",
+                )
+            ids = list(form_ids)
     else:
         check_content_type(ctype)
         images = [("image", await request.body())]
+    if id is not None:
+        if len(images) != 1:
+            raise ApiError("validation_error", "?id= names one image; use 'id' fields for more")
+        ids = [id]
+    for i in ids or []:
+        check_id(i or "")
     client = engine_client(request)
-    options = EncodeOptions(ttl_s=ttl_s, pooled=pooled, dtype=dtype)
+    options = EncodeOptions(
+        ttl_s=ttl_s,
+        pooled=pooled,
+        dtype=dtype,
+        scope=caller_scope(request),
+        ids=tuple(ids) if ids is not None else None,
+    )
     return EncodeResponse(items=await admit_and_encode(request, client, images, options))
 
 
@@ -169,10 +232,14 @@ def _inspect_all(images: Sequence[tuple[str, bytes]], s: Settings) -> list[Heade
     ]
 
 
-async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, bytes]]:
+async def _multipart_images(
+    request: Request, s: Settings
+) -> tuple[list[tuple[str, bytes]], list[str]]:
     try:
         form = await request.form(
-            max_files=s.max_images_per_request, max_fields=32, max_part_size=s.max_image_bytes
+            max_files=s.max_images_per_request,
+            max_fields=32 + s.max_images_per_request,  # an 'id' field per image
+            max_part_size=s.max_image_bytes,
         )
     except (MultiPartException, HTTPException) as e:
         # Starlette reports multipart limits as a 400 carrying the parser's message.
@@ -198,7 +265,10 @@ async def _multipart_images(request: Request, s: Settings) -> list[tuple[str, by
                 raise ApiError("invalid_request", f"part 'image' #{i} is a field, not a file")
             check_content_type(part.content_type, f"image #{i} ({part.filename})")
             images.append((f"image #{i} ({part.filename})", await part.read()))
-        return images
+        ids = form.getlist("id")
+        if not all(isinstance(i, str) for i in ids):
+            raise ApiError("invalid_request", "an 'id' part is a file, not a field")
+        return images, [str(i) for i in ids]
     finally:
         await form.close()
 
@@ -243,6 +313,38 @@ async def renew_lease(
 async def delete_lease(request: Request, lease_id: str) -> Response:
     await engine_client(request).release(lease_id)
     return Response(status_code=204)
+
+
+def _query(request: Request, ref: str, shape: str | None, dtype: str | None) -> FeatureQuery:
+    dims = tuple(int(x) for x in shape.split(",")) if shape is not None else None
+    return FeatureQuery(caller_scope(request), ref, dims, dtype)
+
+
+@v1.get("/features/{ref}", response_model=FeatureInfo, responses={404: {}, 409: {}})
+async def get_features(
+    request: Request, ref: str, shape: ShapeQuery = None, dtype: DtypeQuery = None
+) -> FeatureInfo:
+    """Whether features named by their hash or by your id are resident; their shape and
+    dtype. No lease is made."""
+    return await engine_client(request).features(_query(request, ref, shape, dtype))
+
+
+@v1.post(
+    "/features/{ref}/lease",
+    response_model=LeaseDescriptor,
+    responses={404: {}, 409: {}, 503: {}},
+)
+async def lease_features(
+    request: Request,
+    ref: str,
+    ttl_s: TtlQuery = None,
+    shape: ShapeQuery = None,
+    dtype: DtypeQuery = None,
+) -> LeaseDescriptor:
+    """A new lease on resident features named by their hash or by your id, without encoding:
+    the lease holds a copy of them (device-to-device on the GPU tier). 404 if they are no
+    longer resident; 409 if they disagree with the ``shape``/``dtype`` you expect."""
+    return await engine_client(request).lease_features(_query(request, ref, shape, dtype), ttl_s)
 
 
 @v1.get("/pool")

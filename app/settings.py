@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
     )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="more API keys, one per tenant, accepted like api_key; cached features "
+        "are scoped by the key that made them",
+    )
 
     # Device and pool
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -184,6 +189,14 @@ class Settings(BaseSettings):
     )
     max_request_decoded_bytes: int = Field(
         256 * MiB, gt=0, description="decoded bytes of all images of one request; beyond -> 413"
+    )
+
+    # Content-addressed features
+    feature_cache_entries: int = Field(
+        4096,
+        ge=0,
+        description="images whose pooled features a repeat upload or a lookup by hash or id "
+        "can reuse (LRU); 0 turns the index off",
     )
 
     # Logs

@@ -321,6 +321,10 @@ class Server(AppServer):
                 "2",
                 "--log-level",
                 "WARNING",
+                # The bench cycles a few distinct images: with the feature index on, all but
+                # the first of each would be copies of resident features, not encodes.
+                "--feature-cache-entries",
+                "0",
                 *args.server_args,
                 *extra,
             ],

@@ -294,6 +294,8 @@ def main() -> int:
         str(64 << 20),
         "--reap-interval-s",
         "0.02",
+        "--feature-cache-entries",  # repeated images are encoded, as the load test means
+        "0",
     ]
     try:
         server = AppServer(

@@ -54,6 +54,16 @@ class LeaseDescriptor(BaseModel):
     created_at: float = Field(description="seconds since the Unix epoch")
     expires_at: float = Field(description="deadline, seconds since the Unix epoch")
     ttl_s: float = Field(description="the deadline it was given, in seconds")
+    feature_hash: str | None = Field(
+        None,
+        description="encode and feature leases: SHA-256 (hex) of the encoder's identity and the "
+        "image bytes; names the features in /v1/features and as an engine's multimodal uuid",
+    )
+    cached: bool | None = Field(
+        None,
+        description="encode and feature leases: true when the features were already resident "
+        "and copied into this lease, without decoding or encoding",
+    )
 
     @classmethod
     def parse(cls, value: LeaseDescriptor | Mapping[str, Any]) -> LeaseDescriptor:
@@ -63,6 +73,14 @@ class LeaseDescriptor(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The JSON object sent on the wire."""
         return self.model_dump(mode="json")
+
+
+class FeatureInfo(BaseModel):
+    """``GET /v1/features/{ref}``: resident features named by their hash or a client id."""
+
+    feature_hash: str = Field(description="SHA-256 (hex) of the encoder identity and the bytes")
+    shape: list[int] = Field(description="shape of the features")
+    dtype: str = Field(description="dtype of the features")
 
 
 class EncodeResponse(BaseModel):

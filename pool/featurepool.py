@@ -468,6 +468,33 @@ class FeaturePool:
                 raise StaleLease(f"lease {lease_id} ended while it was being read")
         return out
 
+    def copy_lease(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        """A new lease holding a copy of a live lease's tensor, in the same tier when it has
+        room (GPU -> GPU is a device-to-device copy, stream-ordered after the source's publish;
+        host -> host a memcpy). The source is untouched. Raises StaleLease if the source ended
+        while it was being copied (the copy is then given back), and what ``put`` raises.
+
+        This is how a content-cache hit gets its own lease: a lease has one slot and one ack
+        word, so two readers cannot share one lease without the first ack ending it for both.
+        """
+        with self._lock:
+            src = self._live(lease_id)
+            if src.tier == INLINE:
+                view: torch.Tensor = src.inline
+            else:
+                assert src.extent is not None
+                view = self.tier(src.tier).backend.view(
+                    src.extent, parse_dtype(src.dtype), src.shape
+                )
+        lease = self.put(view, ttl_s)
+        lease.grid = src.grid  # a dynamic-resolution tower's image grid travels with its copy
+        with self._lock:
+            if self.leases.by_slot(src.slot) is not src:
+                if self.leases.by_slot(lease.slot) is lease:
+                    self._end(lease, reason=None)
+                raise StaleLease(f"lease {lease_id} ended while it was being copied")
+        return lease
+
     def describe(self, lease: Lease) -> LeaseDescriptor:
         """The lease descriptor that HTTP clients and socket consumers receive."""
         transport = INLINE if lease.tier == INLINE else self.tier(lease.tier).backend.transport

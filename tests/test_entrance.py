@@ -116,7 +116,8 @@ def test_overload_is_refused_before_any_decode(
     """A burst against a slow encoder: every 429 comes before its image was decoded (on main
     before the entrance, each was decoded, then refused by the batcher's queue)."""
     slow = SlowEncoder(0.3)
-    settings = small_settings(tmp_path, max_batch_size=1, queue_size=4)
+    # The same bytes every time: with the feature index on, repeats would skip decoding.
+    settings = small_settings(tmp_path, max_batch_size=1, queue_size=4, feature_cache_entries=0)
     with live_server(settings, encoder=slow) as live:
         engine = live.app.state.engine
         decoded: list[str] = []
@@ -204,7 +205,7 @@ def test_the_inspector_queue_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(
         app.routes, "inspect", lambda data, **kw: (gate.wait(30), inspect(data, **kw))[1]
     )
-    settings = small_settings(tmp_path, decode_workers=1, queue_size=2)
+    settings = small_settings(tmp_path, decode_workers=1, queue_size=2, feature_cache_entries=0)
     with live_server(settings) as live:
         results: list[int] = []
 
@@ -239,7 +240,8 @@ def test_the_inspector_queue_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
 def test_permit_is_released_on_success_error_and_hang_up(tmp_path: Path) -> None:
     gate = threading.Event()
     slow = SlowEncoder(0.0, gate)
-    with live_server(small_settings(tmp_path, max_batch_size=1), encoder=slow) as live:
+    settings = small_settings(tmp_path, max_batch_size=1, feature_cache_entries=0)
+    with live_server(settings, encoder=slow) as live:
         admission: Admission = live.app.state.admission
 
         def held() -> tuple[int, int]:
@@ -285,7 +287,7 @@ def test_permit_is_released_on_success_error_and_hang_up(tmp_path: Path) -> None
 def test_the_gpu_process_bounds_all_fronts_together(tmp_path: Path) -> None:
     """Behind fronts, encode jobs take a permit of the GPU process's own Admission: when the
     fronts together bring more than it admits, the job is refused (429) before any decode."""
-    settings = small_settings(tmp_path, http_workers=1, queue_size=2)
+    settings = small_settings(tmp_path, http_workers=1, queue_size=2, feature_cache_entries=0)
     with live_server(settings) as live:
         engine = live.app.state.engine
         decoded: list[str] = []

@@ -49,6 +49,7 @@ CHART_MANAGED_SETTINGS = {
     "port",
     "socket_path",
     "api_key",
+    "api_keys",
     "socket_token",
     "fabric_listen",
 }
@@ -893,7 +894,15 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
     for k, a in dockerfile():
         if k == "COPY" and not a.startswith("--from"):
             copied += a.split()[:-1]
-    assert copied == ["requirements/", "pyproject.toml", "README.md", "app", "pool"]
+    assert copied == [
+        "requirements/",
+        "pyproject.toml",
+        "README.md",
+        "app",
+        "pool",
+        "featpool_vllm",
+        "featpool_sglang",
+    ]
     for path in [*copied, "app/__init__.py", "pool/featurepool.py", "requirements/cuda-12.8.txt"]:
         assert not dockerignored(path, patterns), path
         assert (ROOT / path).exists(), path

@@ -35,7 +35,14 @@ def value(
 
 def test_scripted_scenario_metrics(make_client: Callable[..., TestClient]) -> None:
     # Host tier of 2 MiB = 481 leases; inline room for 2 more.
-    c = make_client(host_pool_bytes=2 << 20, slab_bytes=2 << 20, inline_max_bytes=2 * LEASE_BYTES)
+    # The same bytes are uploaded throughout: without the feature index each is encoded
+    # (tests/test_feature_cache.py covers the index's own metrics).
+    c = make_client(
+        host_pool_bytes=2 << 20,
+        slab_bytes=2 << 20,
+        inline_max_bytes=2 * LEASE_BYTES,
+        feature_cache_entries=0,
+    )
 
     # 1. Encode one image, release it by DELETE.
     lid = c.post("/v1/encode", files=[("image", TINY)]).json()["items"][0]["lease_id"]

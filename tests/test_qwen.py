@@ -64,6 +64,14 @@ def test_http_features_equal_transformers(checkpoint: Path, tmp_path: Path) -> N
         # a lease is a GET away as well, with the same grid
         one = httpx.get(f"{live.url}/v1/leases/{items[0]['lease_id']}", timeout=10).json()
         assert one["grid_thw"] == grids[0] and one["tokens"] == items[0]["tokens"]
+        # a repeat upload is a copy of the resident features, grid and all
+        name, data = next(iter(files.items()))
+        again = _encode(live.url, {name: data}).json()["items"][0]
+        assert again["cached"] is True and again["feature_hash"] == items[0]["feature_hash"]
+        assert again["grid_thw"] == grids[0] and again["tokens"] == items[0]["tokens"]
+        assert torch.equal(
+            _tensor(live.url, again["lease_id"]), _tensor(live.url, items[0]["lease_id"])
+        )
 
 
 def test_pooled_keeps_the_grid_and_a_refused_shape_leaks_nothing(

@@ -131,6 +131,19 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
     assert metrics.count("# TYPE featpool_http_requests_total counter") == 1
 
+    # Content-addressed features through a front: ids and reuse travel on the job channel.
+    cat, dog = image_bytes("PNG", seed=5), image_bytes("PNG", seed=6)
+    jpeg = {"content-type": "image/png"}
+    first = httpx.post(f"{url}/v1/encode?id=cat", content=cat, headers=jpeg).json()["items"][0]
+    again = httpx.post(f"{url}/v1/encode", content=cat, headers=jpeg).json()["items"][0]
+    assert (first["cached"], again["cached"]) == (False, True)
+    assert again["feature_hash"] == first["feature_hash"]
+    clash = httpx.post(f"{url}/v1/encode?id=cat", content=dog, headers=jpeg)
+    assert clash.status_code == 409 and clash.json()["error"]["type"] == "id_conflict"
+    found = httpx.get(f"{url}/v1/features/cat").json()
+    assert found["feature_hash"] == first["feature_hash"]
+    assert httpx.post(f"{url}/v1/features/cat/lease").json()["cached"] is True
+
 
 def test_stopping_the_server_stops_the_fronts(
     fronted: tuple[str, Path, subprocess.Popen[bytes]],

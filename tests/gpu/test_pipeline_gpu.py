@@ -125,12 +125,14 @@ def test_gpu_decode_features_match_pillow_path(client: TestClient) -> None:
     headers = {"content-type": "image/jpeg"}
     a = client.post("/v1/encode?dtype=float32", content=data, headers=headers).json()["items"][0]
     jpeg_decoder, engine.jpeg = engine.jpeg, None
+    entries, engine.index.max_entries = engine.index.max_entries, 0  # encode it again
     try:
         b = client.post("/v1/encode?dtype=float32", content=data, headers=headers).json()["items"][
             0
         ]
     finally:
         engine.jpeg = jpeg_decoder
+        engine.index.max_entries = entries
     fa, fb = (
         load(client.get(f"/v1/leases/{x['lease_id']}/tensor").content)["features"] for x in (a, b)
     )
@@ -169,3 +171,28 @@ def test_metrics_after_traffic(client: TestClient) -> None:
     text = client.get("/metrics").text
     assert 'featpool_images_total{outcome="encoded"}' in text
     assert "featpool_batch_size_bucket" in text
+
+
+def test_repeat_upload_is_a_device_copy_on_the_gpu_tier(client: TestClient) -> None:
+    """Content-addressed features on the GPU tier: the repeat gets its own lease holding a
+    device-to-device copy (no encode), which a consumer maps and reads like any other."""
+    from pool.client import FeatureClient
+
+    data = jpeg(photo(640, 480, 7), quality=90)
+    first = client.post("/v1/encode", content=data, headers={"content-type": "image/jpeg"}).json()[
+        "items"
+    ][0]
+    again = client.post("/v1/encode", content=data, headers={"content-type": "image/jpeg"}).json()[
+        "items"
+    ][0]
+    assert (first["cached"], again["cached"]) == (False, True)
+    assert again["tier"] == first["tier"]
+    assert (again["slab"], again["offset"]) != (first["slab"], first["offset"])
+    want = load(client.get(f"/v1/leases/{first['lease_id']}/tensor").content)["features"]
+    sock = client.app.state.settings.socket_path  # type: ignore[attr-defined]
+    with FeatureClient.connect(sock) as pool:
+        view = pool.open(again)
+        assert view.device.type == ("cuda" if again["tier"] == "gpu" else "cpu")
+        assert torch.equal(view.cpu(), want)
+        pool.release(again)
+    client.delete(f"/v1/leases/{first['lease_id']}")

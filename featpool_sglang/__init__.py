@@ -1,0 +1,1 @@
+"""featpool features as SGLang image inputs: ``featpool_sglang.adapter`` (docs/integrations.md)."""
