@@ -214,8 +214,12 @@ class ImageSpec:
         shortest = None
         if getattr(proc, "do_resize", False):
             s = proc.size
-            h, w, se = _field(s, "height"), _field(s, "width"), _field(s, "shortest_edge")
-            others = [k for k in ("longest_edge", "max_height", "max_width") if _field(s, k)]
+            h, w, se = (
+                size_field(s, "height"),
+                size_field(s, "width"),
+                size_field(s, "shortest_edge"),
+            )
+            others = [k for k in ("longest_edge", "max_height", "max_width") if size_field(s, k)]
             if others or (se is None and (h is None or w is None)):
                 raise ValueError(f"{source or name}: size {dict(s)} is not supported")
             if se is not None:
@@ -224,7 +228,7 @@ class ImageSpec:
                 size = (int(h), int(w))
         if getattr(proc, "do_center_crop", False):
             c = proc.crop_size
-            crop = (int(_field(c, "height")), int(_field(c, "width")))
+            crop = (int(size_field(c, "height")), int(size_field(c, "width")))
         resample = getattr(proc, "resample", None)
         resample = BILINEAR if resample is None else int(resample)
         interpolation(resample)  # unsupported filters fail here, at start-up
@@ -237,8 +241,8 @@ class ImageSpec:
         rescale = float(proc.rescale_factor) if getattr(proc, "do_rescale", False) else None
         mean = std = None
         if getattr(proc, "do_normalize", False):
-            mean = _three(proc.image_mean, "image_mean")
-            std = _three(proc.image_std, "image_std")
+            mean = three_numbers(proc.image_mean, "image_mean")
+            std = three_numbers(proc.image_std, "image_std")
         return cls(size, shortest, resample, crop, rescale, mean, std, source or name)
 
     @classmethod
@@ -275,14 +279,15 @@ def load_image_processor(directory: Path | str, fallback: str | None = None) -> 
         raise ValueError(f"{path}: transformers cannot load this image processor: {e}") from e
 
 
-def _field(d: Any, key: str) -> Any:
+def size_field(d: Any, key: str) -> Any:
     """A key of a size dict (a dict, or transformers 5's SizeDict)."""
     if isinstance(d, dict):
         return d.get(key)
     return getattr(d, key, None)
 
 
-def _three(value: Any, what: str) -> tuple[float, ...]:
+def three_numbers(value: Any, what: str) -> tuple[float, ...]:
+    """A per-channel value (``image_mean``, ``image_std``): one number or three, as floats."""
     if isinstance(value, (int, float)):
         value = [value] * 3
     if not isinstance(value, (list, tuple)) or len(value) != 3:

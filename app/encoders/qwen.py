@@ -30,12 +30,12 @@ from torch import nn
 from app.encoders.base import default_dtype, resolve_device
 from app.preprocess import (
     BICUBIC,
-    _field,
-    _three,
     interpolation,
     load_image_processor,
     rescale_normalize,
     resize,
+    size_field,
+    three_numbers,
 )
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ class QwenPreprocessor:
             )
         d = cls()
         size = getattr(proc, "size", None) or {}
-        min_px = _field(size, "shortest_edge") or getattr(proc, "min_pixels", None)
-        max_px = _field(size, "longest_edge") or getattr(proc, "max_pixels", None)
+        min_px = size_field(size, "shortest_edge") or getattr(proc, "min_pixels", None)
+        max_px = size_field(size, "longest_edge") or getattr(proc, "max_pixels", None)
         resample = int(getattr(proc, "resample", None) or d.resample)
         interpolation(resample)  # refuses filters without a tensor implementation
         return cls(
@@ -101,8 +101,8 @@ class QwenPreprocessor:
                 getattr(proc, "temporal_patch_size", None) or d.temporal_patch_size
             ),
             merge_size=int(getattr(proc, "merge_size", None) or d.merge_size),
-            mean=_three(getattr(proc, "image_mean", None) or d.mean, "image_mean"),
-            std=_three(getattr(proc, "image_std", None) or d.std, "image_std"),
+            mean=three_numbers(getattr(proc, "image_mean", None) or d.mean, "image_mean"),
+            std=three_numbers(getattr(proc, "image_std", None) or d.std, "image_std"),
             rescale_factor=float(getattr(proc, "rescale_factor", None) or d.rescale_factor),
             do_rescale=bool(getattr(proc, "do_rescale", True)),
             do_normalize=bool(getattr(proc, "do_normalize", True)),
