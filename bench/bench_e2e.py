@@ -21,6 +21,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -81,111 +82,95 @@ async def _timed(job: ClientJob) -> dict[str, Any]:
     return out
 
 
-async def _client_aiohttp(job: ClientJob) -> dict[str, Any]:
-    """The same requests as ``_client``, sent with aiohttp (a fraction of httpx's CPU per
-    request: the load generator must not be what a point measures)."""
-    import aiohttp
-
+async def _drive(job: ClientJob, send: Callable[[int], Awaitable[int | str]]) -> dict[str, Any]:
+    """``job.conc`` workers, each sending requests back to back (``send(i)``: the request of
+    images from index ``i``, answering its status or the name of its transport error) until
+    the end of the window; latencies and statuses count for requests inside it."""
     lat: list[float] = []
     status: dict[int | str, int] = {}
     done_images = 0
     t_measure = time.perf_counter() + job.warmup
     t_end = t_measure + job.seconds
+
+    async def worker(w: int) -> None:
+        nonlocal done_images
+        i = job.seed * 1000 + w
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= t_end:
+                return
+            code = await send(i)
+            t1 = time.perf_counter()
+            i += job.per_request
+            if t0 >= t_measure and t1 <= t_end:
+                status[code] = status.get(code, 0) + 1
+                if code == 200:
+                    lat.append(t1 - t0)
+                    done_images += job.per_request
+
+    await asyncio.gather(*(worker(w) for w in range(job.conc)))
+    return {"lat": lat, "status": status, "images": done_images}
+
+
+async def _client_aiohttp(job: ClientJob) -> dict[str, Any]:
+    """The same requests as ``_client``, sent with aiohttp (a fraction of httpx's CPU per
+    request: the load generator must not be what a point measures)."""
+    import aiohttp
+
+    images = job.images
     connector = aiohttp.TCPConnector(limit=job.conc, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
 
-        async def worker(w: int) -> None:
-            nonlocal done_images
-            i = job.seed * 1000 + w
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= t_end:
-                    return
-                code: int | str
-                body: aiohttp.FormData | bytes
-                if job.multipart:
-                    body = aiohttp.FormData()
-                    for k in range(job.per_request):
-                        body.add_field(
-                            "image",
-                            job.images[(i + k) % len(job.images)],
-                            filename=f"{k}.jpg",
-                            content_type="image/jpeg",
-                        )
-                    headers = None
-                else:
-                    body = job.images[i % len(job.images)]
-                    headers = {"content-type": "image/jpeg"}
-                try:
-                    async with http.post(job.url, data=body, headers=headers) as r:
-                        await r.read()
-                        code = r.status
-                except (aiohttp.ClientError, TimeoutError) as e:  # counted, not fatal
-                    code = type(e).__name__
-                t1 = time.perf_counter()
-                i += job.per_request
-                if t0 >= t_measure and t1 <= t_end:
-                    status[code] = status.get(code, 0) + 1
-                    if code == 200:
-                        lat.append(t1 - t0)
-                        done_images += job.per_request
+        async def send(i: int) -> int | str:
+            body: aiohttp.FormData | bytes
+            if job.multipart:
+                body = aiohttp.FormData()
+                for k in range(job.per_request):
+                    body.add_field(
+                        "image",
+                        images[(i + k) % len(images)],
+                        filename=f"{k}.jpg",
+                        content_type="image/jpeg",
+                    )
+                headers = None
+            else:
+                body = images[i % len(images)]
+                headers = {"content-type": "image/jpeg"}
+            try:
+                async with http.post(job.url, data=body, headers=headers) as r:
+                    await r.read()
+                    return r.status
+            except (aiohttp.ClientError, TimeoutError) as e:  # counted, not fatal
+                return type(e).__name__
 
-        await asyncio.gather(*(worker(w) for w in range(job.conc)))
-    return {"lat": lat, "status": status, "images": done_images}
+        return await _drive(job, send)
 
 
 async def _client(job: ClientJob) -> dict[str, Any]:
-    url, images, conc, per_request, multipart = (
-        job.url,
-        job.images,
-        job.conc,
-        job.per_request,
-        job.multipart,
-    )
-    lat: list[float] = []
-    status: dict[int | str, int] = {}
-    done_images = 0
-    t_start = time.perf_counter()
-    t_measure = t_start + job.warmup
-    t_end = t_measure + job.seconds
-    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    images = job.images
+    limits = httpx.Limits(max_connections=job.conc, max_keepalive_connections=job.conc)
     async with httpx.AsyncClient(limits=limits, timeout=120.0) as http:
 
-        async def worker(w: int) -> None:
-            nonlocal done_images
-            i = job.seed * 1000 + w
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= t_end:
-                    return
-                code: int | str
-                try:
-                    if multipart:
-                        files = [
-                            ("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
-                            for k in range(per_request)
-                        ]
-                        r = await http.post(url, files=files)
-                    else:
-                        r = await http.post(
-                            url,
-                            content=images[i % len(images)],
-                            headers={"content-type": "image/jpeg"},
-                        )
-                    code = r.status_code
-                except httpx.TransportError as e:  # counted and reported, not fatal
-                    code = type(e).__name__
-                t1 = time.perf_counter()
-                i += per_request
-                if t0 >= t_measure and t1 <= t_end:
-                    status[code] = status.get(code, 0) + 1
-                    if code == 200:
-                        lat.append(t1 - t0)
-                        done_images += per_request
+        async def send(i: int) -> int | str:
+            try:
+                if job.multipart:
+                    files = [
+                        ("image", (f"{k}.jpg", images[(i + k) % len(images)], "image/jpeg"))
+                        for k in range(job.per_request)
+                    ]
+                    r = await http.post(job.url, files=files)
+                else:
+                    r = await http.post(
+                        job.url,
+                        content=images[i % len(images)],
+                        headers={"content-type": "image/jpeg"},
+                    )
+                return r.status_code
+            except httpx.TransportError as e:  # counted and reported, not fatal
+                return type(e).__name__
 
-        await asyncio.gather(*(worker(w) for w in range(conc)))
-    return {"lat": lat, "status": status, "images": done_images}
+        return await _drive(job, send)
 
 
 def scrape(base: str) -> dict[str, float]:
