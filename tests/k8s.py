@@ -14,9 +14,28 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "featpool"
+CI_DIR = CHART / "ci"
 RELEASE, NAMESPACE = "fp", "ml"
+FULLNAME = "fp-featpool"
+IMAGE = {"image": {"repository": "registry.example.com/featpool"}}
 
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def ci_values(name: str) -> dict[str, Any]:
+    """One of the chart's example values files (``helm/featpool/ci/``), parsed."""
+    data = yaml.safe_load((CI_DIR / name).read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base`` as Helm merges values files: dicts key by key, the rest
+    replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -22,11 +21,19 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from tests.k8s import container_env
+from tests.k8s import (
+    CHART,
+    CI_DIR,
+    FULLNAME,
+    IMAGE,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    ci_values,
+    container_env,
+    merge,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "helm" / "featpool"
-CI_DIR = CHART / "ci"
 CI_FILES = [
     "default-values.yaml",
     "daemonset-values.yaml",
@@ -40,9 +47,6 @@ CI_FILES = [
 KUBE_VERSION = "1.34.0"
 # Custom resources: not in the Kubernetes schemas; their fields are asserted below instead.
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ComputeDomain", "ScaledObject"}
-RELEASE, NAMESPACE = "fp", "ml"
-FULLNAME = "fp-featpool"
-IMAGE = {"image": {"repository": "registry.example.com/featpool"}}
 # Settings the chart derives from other values rather than from `config`.
 CHART_MANAGED_SETTINGS = {
     "host",
@@ -56,19 +60,6 @@ CHART_MANAGED_SETTINGS = {
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-
-
-def ci_values(name: str) -> dict[str, Any]:
-    data = yaml.safe_load((CI_DIR / name).read_text())
-    assert isinstance(data, dict)
-    return data
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 @pytest.fixture(scope="module")

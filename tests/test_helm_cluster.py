@@ -14,15 +14,20 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-import yaml
 
 from tests import pod_security as pss
 from tests.helpers import live_server, small_settings
-from tests.k8s import CHART, NAMESPACE, container_env, render
-
-CI = CHART / "ci"
-IMAGE = {"image": {"repository": "registry.example.com/featpool"}}
-FULLNAME = "fp-featpool"
+from tests.k8s import (
+    CHART,
+    CI_DIR,
+    FULLNAME,
+    IMAGE,
+    NAMESPACE,
+    ci_values,
+    container_env,
+    merge,
+    render,
+)
 
 # The Pod Security level each example values file needs (docs in helm/featpool/README.md).
 EXPECTED_LEVEL = {
@@ -34,19 +39,6 @@ EXPECTED_LEVEL = {
     "keda-values.yaml": "privileged",
     "sidecar-values.yaml": "restricted",  # emptyDir, consumers as sidecars
 }
-
-
-def ci(name: str) -> dict[str, Any]:
-    data = yaml.safe_load((CI / name).read_text())
-    assert isinstance(data, dict)
-    return data
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,8 +153,8 @@ def test_checker_restricted_needs_seccomp_and_non_root_somewhere() -> None:
 
 @pytest.mark.parametrize("values_file", sorted(EXPECTED_LEVEL))
 def test_every_mode_needs_the_documented_pod_security_level(values_file: str) -> None:
-    assert sorted(p.name for p in CI.glob("*.yaml")) == sorted(EXPECTED_LEVEL)
-    docs = render(ci(values_file))
+    assert sorted(p.name for p in CI_DIR.glob("*.yaml")) == sorted(EXPECTED_LEVEL)
+    docs = render(ci_values(values_file))
     pods = dict(pss.pod_templates(docs))
     assert f"Pod/{FULLNAME}-test-encode" in pods  # the helm test hook counts too
     levels = {name: pss.level(t) for name, t in pods.items()}
@@ -191,7 +183,7 @@ def test_host_path_mode_needs_privileged_for_the_host_path_alone() -> None:
 
 
 def test_sidecar_mode_shares_an_empty_dir_with_the_consumer() -> None:
-    docs = render(ci("sidecar-values.yaml"))
+    docs = render(ci_values("sidecar-values.yaml"))
     spec = pod_spec(docs)
     assert "initContainers" not in spec
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -250,7 +242,7 @@ def test_notes_wait_as_long_as_the_deadline() -> None:
 
 
 def test_hpa_scales_the_deployment_on_a_per_pod_metric() -> None:
-    docs = render(ci("hpa-values.yaml"))
+    docs = render(ci_values("hpa-values.yaml"))
     dep = one(docs, "Deployment")
     assert "replicas" not in dep["spec"]  # the HPA owns the count
     hpa = one(docs, "HorizontalPodAutoscaler")
@@ -273,7 +265,7 @@ def test_hpa_scales_the_deployment_on_a_per_pod_metric() -> None:
 
 
 def test_keda_scales_on_the_release_queue_depth() -> None:
-    docs = render(ci("keda-values.yaml"))
+    docs = render(ci_values("keda-values.yaml"))
     assert "replicas" not in one(docs, "Deployment")["spec"]
     so = one(docs, "ScaledObject")
     assert so["apiVersion"] == "keda.sh/v1alpha1"
@@ -294,7 +286,7 @@ def test_autoscaling_needs_a_deployment() -> None:
 
 
 def test_model_cache_volume_and_hf_home() -> None:
-    docs = render(ci("hpa-values.yaml"))
+    docs = render(ci_values("hpa-values.yaml"))
     pvc = one(docs, "PersistentVolumeClaim")
     assert pvc["metadata"]["name"] == "fp-featpool-model-cache"
     assert pvc["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
@@ -315,7 +307,7 @@ def test_model_cache_volume_and_hf_home() -> None:
     assert env["HF_HOME"] == "/models/huggingface" and env["HF_HUB_OFFLINE"] == "1"
     assert env["FEATPOOL_ENCODER"] == "hf:google/siglip-so400m-patch14-384"
 
-    existing = render(ci("keda-values.yaml"))
+    existing = render(ci_values("keda-values.yaml"))
     assert not [d for d in existing if d["kind"] == "PersistentVolumeClaim"]
     volumes = {v["name"]: v for v in pod_spec(existing)["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "models"
