@@ -607,10 +607,7 @@ class Engine:
             )
         if host:
             h = sorted(host)
-            x = torch.stack([host[i] for i in h])
-            if self.device.type == "cuda":
-                x = x.pin_memory().to(self.device, non_blocking=True)
-            parts.append((h, x.float()))
+            parts.append((h, self._to_device(torch.stack([host[i] for i in h])).float()))
         if len(parts) == 1:
             x = parts[0][1]
         else:
@@ -621,6 +618,7 @@ class Engine:
         return ok, (x - self._mean) / self._std, failed
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Pixels decoded on the host, to the device (pinned, without waiting for the copy)."""
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True)
         return x
@@ -729,10 +727,7 @@ class Engine:
                     failed[i] = e
         for i, job in enumerate(jobs):
             if job.pixels is not None and i not in failed:
-                x = job.pixels
-                if self.device.type == "cuda":
-                    x = x.pin_memory().to(self.device, non_blocking=True)
-                images[i] = x
+                images[i] = self._to_device(job.pixels)
         for i, x in list(images.items()):
             try:
                 encoder.grid(int(x.shape[-2]), int(x.shape[-1]))
