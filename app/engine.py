@@ -577,18 +577,9 @@ class Engine:
         on_gpu: dict[int, torch.Tensor] = {}
         gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
         if gpu_idx:
-            assert self.jpeg is not None
             t0 = time.perf_counter()
-            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
-            for i, out in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
-                if isinstance(out, torch.Tensor):
-                    on_gpu[i] = out
-                    continue
-                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, out)
-                try:
-                    host[i] = self._decode(jobs[i].label, jobs[i].jpeg, size)
-                except ApiError as e:
-                    failed[i] = e
+            on_gpu, by_pillow = self._decode_jpegs(jobs, gpu_idx, size, failed)
+            host.update(by_pillow)
             spent = (time.perf_counter() - t0) / len(gpu_idx)
             for _ in gpu_idx:
                 self.metrics.decode_seconds.observe(spent)
@@ -616,6 +607,27 @@ class Engine:
             for idx, part in parts:
                 x[torch.tensor([row[i] for i in idx], device=self.device)] = part
         return ok, (x - self._mean) / self._std, failed
+
+    def _decode_jpegs(
+        self, jobs: list[Job], idx: list[int], size: int | None, failed: dict[int, BaseException]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The JPEGs of ``jobs[idx]`` decoded by nvJPEG in one batch: (on the device, as stored:
+        not yet oriented; the ones nvJPEG refused, decoded by Pillow as ``_decode`` does).
+        What Pillow refuses too goes into ``failed``."""
+        assert self.jpeg is not None
+        on_gpu: dict[int, torch.Tensor] = {}
+        by_pillow: dict[int, torch.Tensor] = {}
+        datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in idx]
+        for i, out in zip(idx, self.jpeg.decode(datas), strict=True):
+            if isinstance(out, torch.Tensor):
+                on_gpu[i] = out
+                continue
+            log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, out)
+            try:
+                by_pillow[i] = self._decode(jobs[i].label, jobs[i].jpeg, size)
+            except ApiError as e:
+                failed[i] = e
+        return on_gpu, by_pillow
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         """Pixels decoded on the host, to the device (pinned, without waiting for the copy)."""
@@ -714,17 +726,11 @@ class Engine:
         images: dict[int, torch.Tensor] = {}
         gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
         if gpu_idx:
-            assert self.jpeg is not None
-            datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in gpu_idx]
-            for i, decoded in zip(gpu_idx, self.jpeg.decode(datas), strict=True):
-                if isinstance(decoded, torch.Tensor):
-                    images[i] = orient(decoded, jobs[i].orientation)
-                    continue
-                log.info("nvJPEG could not decode %s (%s); trying Pillow", jobs[i].label, decoded)
-                try:
-                    jobs[i].pixels = self._decode(jobs[i].label, jobs[i].jpeg, None)
-                except ApiError as e:
-                    failed[i] = e
+            decoded, by_pillow = self._decode_jpegs(jobs, gpu_idx, None, failed)
+            for i, x in decoded.items():
+                images[i] = orient(x, jobs[i].orientation)
+            for i, x in by_pillow.items():
+                jobs[i].pixels = x
         for i, job in enumerate(jobs):
             if job.pixels is not None and i not in failed:
                 images[i] = self._to_device(job.pixels)
