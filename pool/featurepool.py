@@ -456,10 +456,7 @@ class FeaturePool:
             lease = self._live(lease_id)
             if lease.tier == INLINE:
                 return lease.inline  # type: ignore[no-any-return]
-            assert lease.extent is not None
-            view = self.tier(lease.tier).backend.view(
-                lease.extent, parse_dtype(lease.dtype), lease.shape
-            )
+            view = self._view_locked(lease)
         # Copy outside the lock (it can be large); the GPU copy follows the producer stream, so
         # it sees the published bytes.
         out = view.to("cpu", copy=True)
@@ -467,6 +464,16 @@ class FeaturePool:
             if self.leases.by_slot(lease.slot) is not lease:
                 raise StaleLease(f"lease {lease_id} ended while it was being read")
         return out
+
+    def _view_locked(self, lease: Lease) -> torch.Tensor:
+        """The lease's tensor where it lies: its inline copy, or a view of its tier's storage
+        (valid while the lease holds its extent)."""
+        if lease.tier == INLINE:
+            return lease.inline  # type: ignore[no-any-return]
+        assert lease.extent is not None
+        return self.tier(lease.tier).backend.view(
+            lease.extent, parse_dtype(lease.dtype), lease.shape
+        )
 
     def copy_lease(self, lease_id: str, ttl_s: float | None = None) -> Lease:
         """A new lease holding a copy of a live lease's tensor, in the same tier when it has
@@ -479,13 +486,7 @@ class FeaturePool:
         """
         with self._lock:
             src = self._live(lease_id)
-            if src.tier == INLINE:
-                view: torch.Tensor = src.inline
-            else:
-                assert src.extent is not None
-                view = self.tier(src.tier).backend.view(
-                    src.extent, parse_dtype(src.dtype), src.shape
-                )
+            view = self._view_locked(src)
         lease = self.put(view, ttl_s)
         lease.grid = src.grid  # a dynamic-resolution tower's image grid travels with its copy
         with self._lock:
