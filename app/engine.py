@@ -23,7 +23,7 @@ from app.engine_client import ImageIn
 from app.errors import ApiError
 from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import decode, decode_upright, inspect
+from app.imaging import decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, orient
 from app.settings import Settings
@@ -530,9 +530,7 @@ class Engine:
         if self.jpeg is not None and img.data[:3] == b"\xff\xd8\xff":
             h = img.header or inspect(
                 img.data,
-                max_pixels=s.max_image_pixels,
-                max_bytes=s.max_image_bytes,
-                max_decoded_bytes=s.max_image_decoded_bytes,
+                **image_limits(s),
                 label=img.label,
             )
             if h.gpu_jpeg:
@@ -546,18 +544,14 @@ class Engine:
             # a dynamic encoder, or the model's preprocessing: on the device, at full size
             out = decode_upright(
                 data,
-                max_pixels=s.max_image_pixels,
-                max_bytes=s.max_image_bytes,
-                max_decoded_bytes=s.max_image_decoded_bytes,
+                **image_limits(s),
                 label=label,
             )
         else:
             out = decode(
                 data,
                 size,
-                max_pixels=s.max_image_pixels,
-                max_bytes=s.max_image_bytes,
-                max_decoded_bytes=s.max_image_decoded_bytes,
+                **image_limits(s),
                 label=label,
             )
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -30,6 +30,8 @@ from app.errors import ApiError
 
 if TYPE_CHECKING:  # imported when a decode needs it (_chw): front processes parse headers only
     import torch
+
+    from app.settings import Settings
 
 FORMATS = {
     "JPEG": "image/jpeg",
@@ -44,6 +46,24 @@ ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
 NAMES = "JPEG (and MPO), PNG, WebP, GIF, BMP or TIFF"
 EXIF_ORIENTATION = 0x0112
 STRIP_BYTES = 4 << 20  # working copies of a 16-bit image are made this much at a time
+
+
+class ImageLimits(TypedDict):
+    """The per-image limits that ``inspect``, ``decode`` and ``decode_upright`` take."""
+
+    max_pixels: int
+    max_bytes: int
+    max_decoded_bytes: int | None
+
+
+def image_limits(s: Settings) -> ImageLimits:
+    """The settings' per-image limits (``--max-image-pixels``, ``--max-image-bytes``,
+    ``--max-image-decoded-bytes``), as keyword arguments."""
+    return ImageLimits(
+        max_pixels=s.max_image_pixels,
+        max_bytes=s.max_image_bytes,
+        max_decoded_bytes=s.max_image_decoded_bytes,
+    )
 
 
 def check_content_type(content_type: str | None, what: str = "body") -> None:

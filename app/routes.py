@@ -31,7 +31,7 @@ from app.engine_client import (
 )
 from app.errors import ApiError
 from app.featindex import check_id, scope_of
-from app.imaging import Header, check_content_type, inspect, request_decoded_bytes
+from app.imaging import Header, check_content_type, image_limits, inspect, request_decoded_bytes
 from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
 from pool.descriptor import MIN_TTL_S, EncodeResponse, FeatureInfo, LeaseDescriptor
@@ -223,9 +223,7 @@ def _inspect_all(images: Sequence[tuple[str, bytes]], s: Settings) -> list[Heade
     return [
         inspect(
             d,
-            max_pixels=s.max_image_pixels,
-            max_bytes=s.max_image_bytes,
-            max_decoded_bytes=s.max_image_decoded_bytes,
+            **image_limits(s),
             label=lb,
         )
         for lb, d in images
