@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
+
+from tests.hf_models import upright
 
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 64  # small, so that large photos take the max_pixels branch
@@ -94,11 +96,6 @@ def photos() -> dict[str, bytes]:
     }
 
 
-def load_upright(data: bytes) -> Image.Image:
-    """As ``transformers.image_utils.load_image`` opens a file: EXIF orientation applied."""
-    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
-
-
 def reference(
     directory: Path, files: list[bytes], *, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -111,7 +108,7 @@ def reference(
         directory, local_files_only=True, dtype=dtype
     )
     model.to(device).eval()
-    batch = processor(images=[load_upright(f) for f in files], return_tensors="pt")
+    batch = processor(images=[upright(f) for f in files], return_tensors="pt")
     grid = batch["image_grid_thw"].to(device)
     with torch.no_grad():
         out = model.get_image_features(
@@ -119,7 +116,3 @@ def reference(
         )
     feats = getattr(out, "pooler_output", out)
     return [f.float().cpu() for f in feats], grid.tolist()
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))

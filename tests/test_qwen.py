@@ -18,7 +18,8 @@ from safetensors.torch import load
 from app.encoders import build_encoder
 from app.encoders.qwen import QwenPreprocessor, smart_resize
 from tests.helpers import live_server, small_settings
-from tests.qwen_reference import build_checkpoint, cosine, photos, reference
+from tests.hf_models import cosine
+from tests.qwen_reference import build_checkpoint, photos, reference
 
 pytest.importorskip("transformers")
 
@@ -149,10 +150,10 @@ def test_packed_varlen_attention_equals_sdpa(
     from transformers import AttentionInterface
 
     from app.encoders import qwen
-    from tests.qwen_reference import load_upright
+    from tests.hf_models import upright
 
     images = [
-        torch.from_numpy(np.array(load_upright(b).convert("RGB"))).permute(2, 0, 1).contiguous()
+        torch.from_numpy(np.array(upright(b).convert("RGB"))).permute(2, 0, 1).contiguous()
         for b in photos().values()
     ]
     plain = qwen.QwenVisionEncoder(checkpoint, device="cpu", attention="sdpa")

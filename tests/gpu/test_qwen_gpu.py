@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load
 
 from tests.helpers import live_server, small_settings
-from tests.qwen_reference import build_checkpoint, cosine, photos, reference
+from tests.hf_models import cosine
+from tests.qwen_reference import build_checkpoint, photos, reference
 
 pytestmark = [
     pytest.mark.gpu,
