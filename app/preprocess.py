@@ -286,13 +286,13 @@ def size_field(d: Any, key: str) -> Any:
     return getattr(d, key, None)
 
 
-def three_numbers(value: Any, what: str) -> tuple[float, ...]:
+def three_numbers(value: Any, what: str) -> tuple[float, float, float]:
     """A per-channel value (``image_mean``, ``image_std``): one number or three, as floats."""
     if isinstance(value, (int, float)):
         value = [value] * 3
     if not isinstance(value, (list, tuple)) or len(value) != 3:
         raise ValueError(f"{what} must be three numbers, got {value!r}")
-    return tuple(float(v) for v in value)
+    return float(value[0]), float(value[1]), float(value[2])
 
 
 def _is_standard(proc: Any) -> bool:

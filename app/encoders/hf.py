@@ -11,12 +11,11 @@ import importlib
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from app.encoders.base import ModuleEncoder, default_dtype, resolve_device
-from app.preprocess import ImageSpec
+from app.preprocess import ImageSpec, three_numbers
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +44,6 @@ def _import_transformers() -> ModuleType:
             "Hugging Face encoders need the optional 'transformers' dependency: "
             "pip install 'featpool[hf]'"
         ) from e
-
-
-def _triple(value: Any, what: str) -> tuple[float, float, float]:
-    if isinstance(value, (int, float)):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
-        raise ValueError(f"{what} must be three numbers, got {value!r}")
-    return float(value[0]), float(value[1]), float(value[2])
 
 
 def hub_cache() -> str:
@@ -156,8 +147,8 @@ class HFVisionEncoder(ModuleEncoder):
                     f"model takes {size}x{size} (config.json image_size)"
                 )
             size = out[0]
-            mean = _triple(spec.mean or 0.0, "image_mean")
-            std = _triple(spec.std or 1.0, "image_std")
+            mean = three_numbers(spec.mean or 0.0, "image_mean")
+            std = three_numbers(spec.std or 1.0, "image_std")
             log.info(
                 "hf encoder %s: preprocessing from %s: %s", model, spec.source, spec.describe()
             )
@@ -175,8 +166,8 @@ class HFVisionEncoder(ModuleEncoder):
                 "config.json or preprocessor_config.json"
             )
         self.preprocess_spec = spec
-        self.mean = _triple(mean, "image_mean")
-        self.std = _triple(std, "image_std")
+        self.mean = three_numbers(mean, "image_mean")
+        self.std = three_numbers(std, "image_std")
         self.image_size = size
 
         tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
