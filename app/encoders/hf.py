@@ -36,7 +36,7 @@ _TOWERS: dict[str, tuple[str, tuple[float, float, float], tuple[float, float, fl
 _PROCESSORS = {"siglip": "SiglipImageProcessor", "clip": "CLIPImageProcessor"}
 
 
-def _import_transformers() -> ModuleType:
+def import_transformers() -> ModuleType:
     try:
         return importlib.import_module("transformers")
     except ImportError as e:
@@ -100,7 +100,7 @@ class HFVisionEncoder(ModuleEncoder):
                 f"hf encoder: {directory} is not a local model directory "
                 "(no config.json); nothing is downloaded"
             )
-        transformers = _import_transformers()
+        transformers = import_transformers()
         self.device = resolve_device(device)
         if self.device.type == "meta":
             raise ValueError("hf encoders cannot be built on the meta device")

@@ -293,11 +293,11 @@ class QwenVisionEncoder:
         dtype: torch.dtype | None = None,
         attention: str | None = None,
     ) -> None:
-        from app.encoders.hf import _import_transformers
+        from app.encoders.hf import import_transformers
 
         t0 = time.perf_counter()
         directory = Path(directory)
-        transformers = _import_transformers()
+        transformers = import_transformers()
         self.device = resolve_device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         self.name = f"hf:{directory}"
