@@ -191,21 +191,10 @@ class FeaturePool:
         On the GPU tier the copy is stream-ordered: this returns before the copy finishes, and
         consumers wait on the ready word. Raises PoolExhausted, TensorTooLarge, InvalidTensor.
         """
-        ttl = self.clamp_ttl(ttl_s)
-        tensor = self._checked(tensor)
-        lease, tier = self._reserve(
-            tensor, tensor.numel() * tensor.element_size(), ttl, self._deadline()
-        )
-        try:
-            if tier is not None:
-                self._publish(tier, [(lease, tensor)])
-            else:
-                self._fill_inline([(lease, tensor)])
-        except BaseException:
-            self._undo([lease])
-            raise
-        self._mark_ready([lease])
-        return lease
+        (result,) = self.put_many([tensor], ttl_s)
+        if isinstance(result, PoolError):
+            raise result
+        return result
 
     def put_many(
         self,
