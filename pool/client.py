@@ -379,11 +379,10 @@ class FeatureClient:
         written even if the lease already ended (it frees memory quarantined for you), then
         StaleLease says it had. Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
+        self._check_epoch(desc)
         if desc["tier"] == INLINE:
-            self._check_epoch(desc)
             self._request({"op": "release", "lease_id": desc["lease_id"]})
             return
-        self._check_epoch(desc)
         slot, gen = int(desc["slot"]), int(desc["generation"])
         if self._transports.get(desc["tier"]) == "cuda_vmm":
             self._cuda.ack(slot, gen)
