@@ -22,11 +22,10 @@ from typing import TypeVar
 
 from fastapi import FastAPI
 
-from app.errors import ApiError
+from app.errors import RETRY_AFTER, ApiError
 from app.settings import Settings
 
 T = TypeVar("T")
-RETRY_AFTER = {"Retry-After": "1"}
 
 
 class Admission:

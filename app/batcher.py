@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from app.errors import ApiError
+from app.errors import RETRY_AFTER, ApiError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Batcher(Generic[T, R]):
             raise ApiError(
                 "queue_full",
                 f"{self._queue.qsize()} images are queued (limit {self.queue_size})",
-                headers={"Retry-After": "1"},
+                headers=RETRY_AFTER,
             )
         loop = asyncio.get_running_loop()
         items = [_Item[T, R](v, loop.create_future()) for v in values]

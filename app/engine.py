@@ -20,7 +20,7 @@ from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
-from app.errors import ApiError
+from app.errors import RETRY_AFTER, ApiError
 from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import decode, decode_upright, image_limits, inspect
@@ -801,7 +801,7 @@ class Engine:
         return ApiError(
             "gpu_out_of_memory",
             f"the GPU ran out of memory for this image ({type(e).__name__}); retry later",
-            headers={"Retry-After": "1"},
+            headers=RETRY_AFTER,
         )
 
     def _batch_error(self, e: Exception, where: str) -> BaseException:

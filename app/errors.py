@@ -67,6 +67,11 @@ def count_rejection(request: Request, kind: str) -> None:
         request.app.state.metrics.rejected.labels(kind).inc()
 
 
+# The header of a refusal that a retry shortly after may pass (429 queue full, 503 GPU out of
+# memory, ...).
+RETRY_AFTER = {"Retry-After": "1"}
+
+
 class ApiError(Exception):
     def __init__(self, type_: str, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
