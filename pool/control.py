@@ -242,11 +242,6 @@ class AckBlock:
             os.close(fd)
         return cls(-1, mm, nslots)
 
-    def word_address(self, slot: int, ack: bool) -> int:
-        if not 0 <= slot < self.nslots:
-            raise ValueError(f"slot {slot} outside the ack block ({self.nslots} slots)")
-        return self.address + slot * ACK_STRIDE + (4 if ack else 0)
-
     def set_opened(self, slot: int, gen: int) -> None:
         self.opened[slot] = gen
 
