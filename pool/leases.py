@@ -212,9 +212,6 @@ class LeaseTable:
             raise ValueError(f"slot {slot} is not held")
         self._free_slots[slot] = None
 
-    def next_deadline(self) -> float | None:
-        return min((lease.deadline for lease in self._active.values()), default=None)
-
     def _end(self, lease: Lease, state: LeaseState, *, keep_slot: bool = False) -> Lease:
         lease.state = state
         lease.inline = None
