@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import STATUS
 from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
@@ -126,15 +127,10 @@ class ServiceMiddleware:
                 raise
             status = 413
             self.metrics.rejected.labels("payload_too_large").inc()
-            await _send_json(
+            await _send_error(
                 send_wrapper,
-                413,
-                {
-                    "error": {
-                        "type": "payload_too_large",
-                        "message": f"request body exceeds {self.max_body_bytes} bytes",
-                    }
-                },
+                "payload_too_large",
+                f"request body exceeds {self.max_body_bytes} bytes",
             )
         except _BodyTimeoutError:
             if response_started:
@@ -142,16 +138,11 @@ class ServiceMiddleware:
             TRIMMER.request()  # what the stalled body had sent goes back to the system
             status = 408
             self.metrics.rejected.labels("body_timeout").inc()
-            await _send_json(
+            await _send_error(
                 send_wrapper,
-                408,
-                {
-                    "error": {
-                        "type": "body_timeout",
-                        "message": f"the request body sent nothing for {self.body_timeout_s} s "
-                        f"(--body-timeout-s); {received} bytes had arrived",
-                    }
-                },
+                "body_timeout",
+                f"the request body sent nothing for {self.body_timeout_s} s "
+                f"(--body-timeout-s); {received} bytes had arrived",
             )
         finally:
             if watcher is not None:
@@ -170,12 +161,14 @@ class ServiceMiddleware:
                 )
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
+async def _send_error(send: Any, kind: str, message: str) -> None:
+    """The JSON error body the API answers with (app/errors.py), written from the middleware
+    (the app never saw the request, or gave up on its body); the connection is closed."""
+    data = json.dumps({"error": {"type": kind, "message": message}}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": status,
+            "status": STATUS[kind],
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(data)).encode()),
