@@ -658,9 +658,7 @@ class Engine:
         encoder = cast(Encoder, self.encoder)
         try:
             ok, x, failed = self._pixels_beside_forward(jobs)
-            results: list[Lease | BaseException] = [
-                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
-            ]
+            results = self._unpublished(len(jobs), failed)
             if x is None:
                 return results
             start = self._event()
@@ -688,14 +686,18 @@ class Engine:
             out[i] = (f.to(job.dtype or encoder.dtype), None)
         return self._publish(jobs, out, results)
 
+    @staticmethod
+    def _unpublished(n: int, failed: dict[int, BaseException]) -> list[Lease | BaseException]:
+        """A batch's results before publishing: each job's own failure, else "not encoded"
+        (``_publish`` puts the leases in)."""
+        return [failed.get(i, ApiError("internal_error", "not encoded")) for i in range(n)]
+
     def _run_dynamic(self, jobs: list[Job], encoder: DynamicEncoder) -> list[Lease | BaseException]:
         """``_run_batch`` for a dynamic-resolution encoder: every image keeps its own size
         and its own number of tokens; the encoder packs them into one forward."""
         try:
             images, failed = self._images(jobs, encoder)
-            results: list[Lease | BaseException] = [
-                failed.get(i, ApiError("internal_error", "not encoded")) for i in range(len(jobs))
-            ]
+            results = self._unpublished(len(jobs), failed)
             ok = sorted(images)
             if not ok:
                 return results
