@@ -581,9 +581,7 @@ def test_consumer_maps_read_only_waits_and_acks(
     pool = FeaturePool([be], max_leases=8)
     server = HandoffServer(pool, tmp_path / "fp.sock")
     server.start()
-    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
-    monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
+    fake_consumer_side(monkeypatch, drv)
     try:
         t = torch.randn(64, 33)
         lease = pool.put(t)
@@ -698,10 +696,16 @@ def test_typed_view_cached_path_equals_the_slice_path(
 TOKEN = "s3cret-token"
 
 
-def fake_consumer_side(monkeypatch: pytest.MonkeyPatch, drv: FakeDriver) -> None:
-    """FeatureClient builds its CudaConsumer with the fake driver and runtime."""
+def fake_driver_and_runtime(monkeypatch: pytest.MonkeyPatch, drv: FakeDriver) -> None:
+    """FeatureClient builds its CudaConsumer with the fake driver and runtime (and picks its
+    GPU as it would on a real machine)."""
     monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
     monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+
+
+def fake_consumer_side(monkeypatch: pytest.MonkeyPatch, drv: FakeDriver) -> None:
+    """``fake_driver_and_runtime``, the consumer on GPU 0."""
+    fake_driver_and_runtime(monkeypatch, drv)
     monkeypatch.setattr(cuda_vmm, "_pick_device", lambda device, info: 0)
 
 
@@ -983,8 +987,7 @@ def test_consumer_on_another_gpu_maps_in_place_or_copies(
 
     drv = two_gpus(peer=peer)
     _, pool, server = served_on_gpu0(drv, tmp_path)
-    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    fake_driver_and_runtime(monkeypatch, drv)
     try:
         t = torch.randn(64, 33)
         lease = pool.put(t)
@@ -1040,8 +1043,7 @@ def test_same_device_consumer_path_is_unchanged(
 
     drv = two_gpus(peer=True)
     _, pool, server = served_on_gpu0(drv, tmp_path)
-    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    fake_driver_and_runtime(monkeypatch, drv)
     try:
         lease = pool.put(torch.ones(16))
         n0, v0 = len(drv.calls), len(drv.views)
@@ -1069,8 +1071,7 @@ def test_unknown_producer_gpu_is_a_clear_error_and_leaks_nothing(
     drv = FakeDriver()
     _, pool, server = served_on_gpu0(drv, tmp_path)
     drv.uuids = ["fake-1111", "fake-2222"]  # CUDA_VISIBLE_DEVICES hides the producer's GPU
-    monkeypatch.setattr(cuda_vmm, "Driver", lambda: drv)
-    monkeypatch.setattr(cuda_vmm, "TorchCuda", lambda index: FakeRuntime(drv, index=index))
+    fake_driver_and_runtime(monkeypatch, drv)
     try:
         for device in (None, "cuda:1"):
             with pytest.raises(CudaUnavailable, match=r"GPU-fake-0000 is not among the 2 GPU"):
