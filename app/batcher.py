@@ -10,6 +10,7 @@ the leases they hold are released, not leaked). A failing batch fails only its o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -54,8 +55,14 @@ class Batcher(Generic[T, R]):
         discard: Callable[[R], None] = lambda _: None,
         on_batch: Callable[[BatchStats], None] = lambda _: None,
         in_flight: int = 2,
+        prepare: Callable[[list[T]], None] | None = None,
     ) -> None:
         self._run_batch = run_batch
+        # An optional first stage (the engine's decode), on a thread of its own: batch N+1 is
+        # prepared while batch N runs. It is called with the very list run_batch gets next.
+        self._prepare = prepare
+        self._prep_turn = asyncio.Lock()
+        self._prep_executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-prepare")
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.queue_size = queue_size
@@ -90,6 +97,7 @@ class Batcher(Generic[T, R]):
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self._prep_executor.shutdown(wait=True)
 
     async def submit(self, values: Sequence[T]) -> list[R]:
         """Queue all values (or none: 429) and wait for their results, in order."""
@@ -149,35 +157,54 @@ class Batcher(Generic[T, R]):
 
     async def _run(self, batch: list[_Item[T, R]]) -> None:
         try:
-            async with self._turn:
+            # With a prepare stage, the first stage's turn is taken in _run_live instead.
+            async with self._turn if self._prepare is None else contextlib.nullcontext():
                 await self._run_live(batch)
         finally:
             self._slots.release()
 
     async def _run_live(self, batch: list[_Item[T, R]]) -> None:
-        # Looked at when the batch thread is free, so a request cancelled while its batch
-        # waited for the previous one is skipped, not run.
+        first = self._prep_turn if self._prepare is not None else None
+        if first is not None:
+            await first.acquire()
+        # Looked at when the (first) batch thread is free, so a request cancelled while its
+        # batch waited for the previous one is skipped, not run.
         live = [i for i in batch if not i.future.done()]
         for i in live:
             i.running = asyncio.Event()
         try:
-            await self._run_items(batch, live)
+            await self._run_items(batch, live, first)
         finally:
+            if first is not None and first.locked() and not live:
+                first.release()
             for i in live:
                 assert i.running is not None
                 i.running.set()
 
-    async def _run_items(self, batch: list[_Item[T, R]], live: list[_Item[T, R]]) -> None:
+    async def _run_items(
+        self, batch: list[_Item[T, R]], live: list[_Item[T, R]], first: asyncio.Lock | None
+    ) -> None:
         if not live:
             self._on_batch(BatchStats(0, [], 0.0, len(batch)))
             return
         started = time.perf_counter()
         waits = [started - i.enqueued for i in live]
         loop = asyncio.get_running_loop()
+        values = [i.value for i in live]
         try:
-            results: Sequence[R | BaseException] = await loop.run_in_executor(
-                self._executor, self._run_batch, [i.value for i in live]
-            )
+            if first is not None:  # stage one on its thread, then stage two, each in order
+                prepare = self._prepare
+                assert prepare is not None
+                try:
+                    await loop.run_in_executor(self._prep_executor, prepare, values)
+                finally:
+                    first.release()
+                async with self._turn:
+                    results: Sequence[R | BaseException] = await loop.run_in_executor(
+                        self._executor, self._run_batch, values
+                    )
+            else:
+                results = await loop.run_in_executor(self._executor, self._run_batch, values)
             if len(results) != len(live):
                 raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
         except Exception as e:

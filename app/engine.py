@@ -140,6 +140,7 @@ class Engine:
         self._buckets: list[int] = []
         self.index = FeatureIndex(settings.feature_cache_entries)
         self._decode_stream: Any = None  # CUDA: decode and preprocess run on their own
+        self._prepared: dict[int, Any] = {}  # id(batch) -> what _prepare_batch made
 
     @property
     def decoder_name(self) -> str:
@@ -225,6 +226,7 @@ class Engine:
             queue_size=s.queue_size,
             discard=self._discard,
             on_batch=self._observe_batch,
+            prepare=self._prepare_batch,
         )
         self.batcher.start()
         self.ready = True
@@ -629,23 +631,30 @@ class Engine:
             return x.pin_memory().to(self.device, non_blocking=True)
         return x
 
-    def _pixels_beside_forward(
-        self, jobs: list[Job]
-    ) -> tuple[list[int], torch.Tensor | None, dict[int, BaseException]]:
-        """``_pixels`` on a CUDA stream of its own: the batch thread launches a batch's forward
-        and goes on without waiting for it, so the next batch's decode (nvJPEG kernels, or the
-        hardware decoder) and resize run on the GPU beside that forward instead of queueing
-        behind it on one stream. The forward waits for them."""
+    def _prepare_batch(self, jobs: list[Job]) -> None:
+        """Stage one, on the batcher's prepare thread: decode (nvJPEG, nvImageCodec) and
+        preprocess batch N+1 while the batch thread launches and publishes batch N. On CUDA it
+        runs on a stream of its own, so on the GPU too this decode runs beside the forward the
+        batch thread launched, instead of queueing behind it; that batch's forward waits for
+        the event recorded here. ``_run_batch`` picks the result up (same list object)."""
+        if self.encoder is None or is_dynamic(self.encoder):  # it decodes in _run_dynamic
+            return
+        while len(self._prepared) >= 4:  # a batch cancelled between its two stages
+            self._prepared.pop(next(iter(self._prepared)))
         side = self._decode_stream
-        if side is None:
-            return self._pixels(jobs)
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(side):
-            ok, x, failed = self._pixels(jobs)
-        main.wait_stream(side)
-        if x is not None:
-            x.record_stream(main)  # its memory is not reused by the side stream before main is done
-        return ok, x, failed
+        try:
+            if side is None:
+                self._prepared[id(jobs)] = (*self._pixels(jobs), None)
+                return
+            with torch.cuda.stream(side):
+                ok, x, failed = self._pixels(jobs)
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(side)
+            if x is not None:  # not reused by the side stream before the forward is done
+                x.record_stream(torch.cuda.current_stream(self.device))
+            self._prepared[id(jobs)] = (ok, x, failed, ready)
+        except Exception as e:  # _run_batch reports it like its own errors
+            self._prepared[id(jobs)] = e
 
     def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
@@ -657,7 +666,14 @@ class Engine:
             return self._run_dynamic(jobs, cast(DynamicEncoder, self.encoder))
         encoder = cast(Encoder, self.encoder)
         try:
-            ok, x, failed = self._pixels_beside_forward(jobs)
+            prepared = self._prepared.pop(id(jobs), None)
+            if prepared is None:  # called without the prepare stage
+                prepared = (*self._pixels(jobs), None)
+            if isinstance(prepared, BaseException):
+                raise prepared
+            ok, x, failed, ready = prepared
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
             results = self._unpublished(len(jobs), failed)
             if x is None:
                 return results

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -332,6 +333,7 @@ def run_point(
     per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0) for i in range(procs)]
     before = scrape(srv.base)
     sampler = CpuSampler(srv.proc.pid)
+    spy = _py_spy(args, srv.proc.pid, p)
     ctx = get_context("spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
         futs = [
@@ -356,6 +358,8 @@ def run_point(
     t0 = max(part["window"][0] for part in parts)
     t1 = min(part["window"][1] for part in parts)
     cpu = sampler.cores(t0, t1)
+    if spy is not None:
+        spy.wait()
     after = scrape(srv.base)
     lat = np.array([x for part in parts for x in part["lat"]])
     status: dict[str, int] = {}
@@ -380,6 +384,34 @@ def run_point(
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+def _py_spy(args: argparse.Namespace, pid: int, p: Point) -> subprocess.Popen[bytes] | None:
+    """With ``--py-spy DIR``: sample the GPU process's Python stacks (every thread, running
+    samples only) over the point's measured window, as collapsed stacks in DIR."""
+    if args.py_spy is None:
+        return None
+    args.py_spy.mkdir(parents=True, exist_ok=True)
+    name = f"{p.server}-{'mp' if p.multipart else 'raw'}-{p.per_request}x{p.concurrency}.txt"
+    return subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "200",
+            "--threads",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--duration",
+            str(int(args.warmup + args.seconds)),
+            "--output",
+            str(args.py_spy / name),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def parse_points(spec: str, server: str) -> list[Point]:
@@ -435,6 +467,7 @@ def main() -> None:
     ap.add_argument("--server-args", nargs="*", default=[], help="passed to both servers")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--py-spy", type=Path, help="profile the GPU process with py-spy into DIR")
     args = ap.parse_args()
 
     t0 = time.time()

@@ -164,3 +164,41 @@ def test_submit_after_stop_is_not_ready() -> None:
             await b.submit([1])
 
     asyncio.run(main())
+
+
+def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
+    """With a prepare stage (the engine's decode), batch N+1 is prepared on its own thread
+    while batch N runs: run_batch(N) here waits until prepare(N+1) has started, which would
+    never happen with one thread doing both. Order is kept in both stages, every value is
+    prepared before it is run, and the results come back in order."""
+    prepared: list[list[int]] = []
+    ran: list[list[int]] = []
+    second_prepare = threading.Event()
+
+    def prepare(values: list[int]) -> None:
+        prepared.append(list(values))
+        if len(prepared) == 2:
+            second_prepare.set()
+
+    def run_batch(values: list[int]) -> list[int | BaseException]:
+        assert values in prepared  # the same values were prepared first
+        if not ran:
+            assert second_prepare.wait(5), "batch 2 was not prepared while batch 1 ran"
+        ran.append(list(values))
+        return [v * 10 for v in values]
+
+    async def main() -> list[list[int]]:
+        b: Batcher[int, int] = Batcher(
+            run_batch, max_batch_size=2, max_wait_s=0.01, queue_size=64, prepare=prepare
+        )
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit([1, 2]))
+            await asyncio.sleep(0.05)  # batch 1 is in run_batch, waiting
+            second = asyncio.ensure_future(b.submit([3, 4]))
+            return [await first, await second]
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == [[10, 20], [30, 40]]
+    assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2], [3, 4]]
