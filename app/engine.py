@@ -23,7 +23,7 @@ from app.engine_client import ImageIn
 from app.errors import RETRY_AFTER, ApiError
 from app.featindex import FeatureIndex, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
-from app.imaging import decode, decode_upright, image_limits, inspect
+from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, orient
 from app.settings import Settings
@@ -104,10 +104,18 @@ class Job:
     # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing or a
     # dynamic encoder, [3, H, W] at full size, upright)
     pixels: torch.Tensor | None = None
-    jpeg: bytes = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
+    jpeg: ImageData = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
     dtype: torch.dtype | None = None  # cast before publishing; None keeps the encoder's
+
+
+def byte_tensor(data: ImageData) -> torch.Tensor:
+    """A uint8 tensor of an image's bytes for the JPEG decoders: a view of a writable buffer
+    (the job arena behind front processes), else a copy (torch takes no read-only buffer)."""
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class Engine:
@@ -539,7 +547,7 @@ class Engine:
                 return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
-    def _decode(self, label: str, data: bytes, size: int | None) -> torch.Tensor:
+    def _decode(self, label: str, data: ImageData, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()
         s = self.settings
         if size is None or self._spec is not None:
@@ -613,7 +621,7 @@ class Engine:
         assert self.jpeg is not None
         on_gpu: dict[int, torch.Tensor] = {}
         by_pillow: dict[int, torch.Tensor] = {}
-        datas = [torch.frombuffer(bytearray(jobs[i].jpeg), dtype=torch.uint8) for i in idx]
+        datas = [byte_tensor(jobs[i].jpeg) for i in idx]
         for i, out in zip(idx, self.jpeg.decode(datas), strict=True):
             if isinstance(out, torch.Tensor):
                 on_gpu[i] = out

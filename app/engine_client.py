@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.imaging import Header
+from app.imaging import Header, ImageData
 from pool.descriptor import FeatureInfo, LeaseDescriptor
 
 
@@ -31,10 +31,12 @@ class EngineDeadError(Exception):
 @dataclass(frozen=True)
 class ImageIn:
     """One uploaded image: its label for error messages, its bytes, and the header the
-    entrance already parsed (so the engine does not parse it again)."""
+    entrance already parsed (so the engine does not parse it again). Behind front processes
+    the bytes are a view of the front's job arena, which the front leaves untouched until the
+    job is answered: nothing may keep them past that (copy what must outlive the job)."""
 
     label: str
-    data: bytes
+    data: ImageData
     header: Header | None = None
 
 

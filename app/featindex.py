@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import ApiError
+from app.imaging import ImageData
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 HASH_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -49,9 +50,11 @@ def identity_digest(identity: dict[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
 
 
-def feature_hash(identity: bytes, data: bytes) -> str:
+def feature_hash(identity: bytes, data: ImageData) -> str:
     """The full-width (256-bit) hex hash of the features of ``data`` under ``identity``."""
-    return hashlib.sha256(identity + data).hexdigest()
+    h = hashlib.sha256(identity)
+    h.update(data)  # not identity + data: that would copy the image
+    return h.hexdigest()
 
 
 def check_id(client_id: str) -> str:

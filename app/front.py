@@ -61,7 +61,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
 def create_front_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     jobs_path, core_http = channel_paths(settings.socket_path)
-    jobs = JobClient(jobs_path)
+    # Request metrics in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set
+    # by the GPU process), which the GPU process's /metrics adds up.
+    metrics = HttpMetrics(None)
+    jobs = JobClient(jobs_path, settings.job_arena_bytes, metrics)
     core = httpx.AsyncClient(
         transport=httpx.AsyncHTTPTransport(uds=str(core_http)),
         base_url="http://featpool-gpu",
@@ -80,9 +83,7 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     # The GPU process serves the OpenAPI document and the docs; forwarded like /metrics.
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.settings = settings
-    # Request metrics in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set
-    # by the GPU process), which the GPU process's /metrics adds up.
-    app.state.metrics = HttpMetrics(None)
+    app.state.metrics = metrics
     app.state.engine_client = jobs  # every engine call goes over the job channel
     entrance_state(app, settings)
     errors.install(app)

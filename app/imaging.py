@@ -45,6 +45,9 @@ FORMATS = {
 ACCEPTED_CONTENT_TYPES = {*FORMATS.values(), "application/octet-stream", ""}
 NAMES = "JPEG (and MPO), PNG, WebP, GIF, BMP or TIFF"
 EXIF_ORIENTATION = 0x0112
+# An image's bytes: an upload's, or behind front processes a view of the job arena
+# (app/job_arena.py) or of a job frame's payload.
+ImageData = bytes | memoryview
 STRIP_BYTES = 4 << 20  # working copies of a 16-bit image are made this much at a time
 
 
@@ -143,7 +146,7 @@ def _image_errors(label: str) -> Iterator[None]:
 
 
 def _open(
-    data: bytes, *, max_pixels: int, max_bytes: int, max_decoded_bytes: int | None, label: str
+    data: ImageData, *, max_pixels: int, max_bytes: int, max_decoded_bytes: int | None, label: str
 ) -> Image.Image:
     """Parse the header only and apply the limits: type, bytes, pixels, decoded bytes."""
     if not data:
@@ -170,7 +173,7 @@ def _open(
 
 
 def inspect(
-    data: bytes,
+    data: ImageData,
     *,
     max_pixels: int,
     max_bytes: int,
@@ -196,7 +199,7 @@ def inspect(
         gpu = (
             im.format == "JPEG"
             and im.mode in ("RGB", "L")
-            and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
+            and bytes(data).rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
         )
         return Header(
             str(im.format), im.size[0], im.size[1], im.mode, orientation, gpu, decoded_bytes(im)
@@ -204,7 +207,7 @@ def inspect(
 
 
 def decode(
-    data: bytes,
+    data: ImageData,
     size: int,
     *,
     max_pixels: int,
@@ -236,7 +239,7 @@ def decode(
 
 
 def decode_upright(
-    data: bytes,
+    data: ImageData,
     *,
     max_pixels: int,
     max_bytes: int,

@@ -9,8 +9,14 @@ travels this channel. No torch here: fronts import this module.
 
 Frames on a Unix socket (mode 0600: same user only), both directions: a 4-byte big-endian
 header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
+  front -> core  {"id": 0, "op": "hello", "arena_bytes"}   first, alone; with arena_bytes > 0
+                 it carries (SCM_RIGHTS) the FD of the front's job arena (app/job_arena.py)
+  core -> front  {"id": 0, "op": "hello", "status", "body"}   200, or the error shape and close
   front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "scope", "ids",
-                  "images": [[label, size, header], ...]} + the images' bytes, concatenated
+                  "images": [[label, size, header], ...], "arena_offset"}: the images' bytes,
+                 back to back, lie in the arena from arena_offset (checked against its size);
+                 without arena_offset they follow as the payload (the arena had no room, or
+                 the front has none)
                  {"id", "op": "features" | "lease_features", "scope", "ref", "shape",
                   "dtype", "ttl_s"}
                  {"id", "op": "lease" | "tensor" | "release", "lease_id"}
@@ -20,6 +26,8 @@ header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
   core -> front  {"id", "status", "body", "headers"}  (body: the answer's JSON, e.g. an
                  EncodeResponse or LeaseDescriptor of pool.descriptor, or the error shape;
                  "tensor" answers with the safetensors file as payload)
+An encode job's arena range stays the front's to keep untouched until its answer arrives (the
+GPU process reads it only before it answers); then the front allocates it again.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import itertools
 import json
 import logging
 import os
+import socket
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +55,10 @@ from app.engine_client import (
     ImageIn,
 )
 from app.errors import STATUS, ApiError
-from app.imaging import Header
+from app.imaging import Header, ImageData
+from app.job_arena import ArenaError, ArenaView, FrontArena
+from app.metrics import HttpMetrics
+from pool.allocator import Extent
 from pool.descriptor import EncodeResponse, FeatureInfo, LeaseDescriptor
 from pool.errors import PoolError
 
@@ -56,6 +69,8 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
+MAX_HELLO = 4096  # the hello frame, read before the connection becomes a stream
+HELLO_TIMEOUT_S = 10.0
 Reply = tuple[int, dict[str, Any], dict[str, str], bytes]
 
 
@@ -67,13 +82,19 @@ def channel_paths(socket_path: Path) -> tuple[Path, Path]:
     )
 
 
-async def _write(
-    writer: asyncio.StreamWriter, header: dict[str, Any], payload: Sequence[bytes] = ()
+def _put(
+    writer: asyncio.StreamWriter, header: dict[str, Any], payload: Sequence[ImageData] = ()
 ) -> None:
     raw = json.dumps({**header, "payload": sum(len(p) for p in payload)}).encode()
     writer.write(_LEN.pack(len(raw)) + raw)
     for p in payload:
         writer.write(p)
+
+
+async def _write(
+    writer: asyncio.StreamWriter, header: dict[str, Any], payload: Sequence[ImageData] = ()
+) -> None:
+    _put(writer, header, payload)
     await writer.drain()
 
 
@@ -99,6 +120,87 @@ def _query(q: FeatureQuery) -> dict[str, Any]:
     }
 
 
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _receive_hello(conn: socket.socket) -> ArenaView | None:
+    """Read a connection's hello frame with its FD, if any: the front's arena, mapped. Every
+    FD that arrives is closed here (the mapping outlives it); a bad hello is an ArenaError."""
+    data, fds = b"", []
+    try:
+        while True:
+            if len(data) >= _LEN.size:
+                (n,) = _LEN.unpack(data[: _LEN.size])
+                if n > MAX_HELLO:
+                    raise ArenaError(f"a hello of {n} bytes")
+                if len(data) >= _LEN.size + n:
+                    break
+            await _readable(conn)
+            try:
+                chunk, got, _, _ = socket.recv_fds(
+                    conn, MAX_HELLO + _LEN.size - len(data), 1, socket.MSG_CMSG_CLOEXEC
+                )
+            except BlockingIOError:
+                continue
+            fds += got
+            if not chunk:
+                raise EOFError("closed before its hello")
+            data += chunk
+        if len(data) > _LEN.size + n:
+            raise ArenaError("frames sent before the hello was answered")
+        hello = json.loads(data[_LEN.size :])
+        if not isinstance(hello, dict) or hello.get("op") != "hello":
+            raise ArenaError("the first frame must be a hello")
+        nbytes = hello.get("arena_bytes", 0)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ArenaError(f"arena_bytes {nbytes!r} is not a non-negative integer")
+        if len(fds) != (1 if nbytes else 0):
+            raise ArenaError(f"a hello with arena_bytes {nbytes} and {len(fds)} FD(s)")
+        return ArenaView(fds[0], nbytes) if nbytes else None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _image_data(
+    header: dict[str, Any], payload: bytes, arena: ArenaView | None
+) -> list[memoryview]:
+    """The bytes of an encode job's images, as views (of the arena, or of the payload): each
+    range checked to lie inside what the front sent (ArenaError if not)."""
+    if header.get("op") != "encode":
+        return []
+    try:
+        sizes = [size for _, size, _ in header["images"]]
+    except (KeyError, TypeError, ValueError):
+        raise ArenaError("an encode job needs images: [[label, size, header], ...]") from None
+    offset = header.get("arena_offset")
+    if offset is not None:
+        if arena is None:
+            raise ArenaError("arena_offset on a connection whose hello brought no arena")
+        return arena.images(offset, sizes)
+    view, out, at = memoryview(payload), [], 0
+    for size in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ArenaError(f"image size {size!r} is not a positive integer")
+        out.append(view[at : at + size])
+        at += size
+    if at != len(payload):
+        raise ArenaError(f"the images' sizes add up to {at} bytes, the payload has {len(payload)}")
+    return out
+
+
 class JobServer:
     """Runs in the GPU process: answers the fronts' jobs with the in-process engine client,
     encode jobs under a permit of the process's one ``Admission``."""
@@ -107,24 +209,83 @@ class JobServer:
         self.path = path
         self._client = client
         self._admission = admission
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), limit=1 << 20
-        )
-        os.chmod(self.path, 0o600)
+        # A listening socket of our own, not asyncio's server: each connection's first frame
+        # (the hello) is read with recvmsg, for its FD, before the connection becomes a stream.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            sock.listen(256)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = sock
+        self._accepting = asyncio.create_task(self._accept(sock))
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of FDs, say: the fronts retry
+                log.warning("job channel: accept failed (%s)", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._connection(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        arena: ArenaView | None = None
+        refused = ""
+        try:
+            try:
+                arena = await asyncio.wait_for(_receive_hello(conn), HELLO_TIMEOUT_S)
+            except ValueError as e:  # a bad hello or arena (ArenaError), malformed JSON
+                refused = str(e)
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 20)
+        except (OSError, TimeoutError, EOFError):
+            conn.close()
+            return
+        try:
+            if refused:
+                log.warning("job channel: hello refused: %s", refused)
+                status, body = _error("invalid_request", f"hello refused: {refused}")
+                await _write(writer, {"id": 0, "op": "hello", "status": status, "body": body})
+                return
+            await _write(writer, {"id": 0, "op": "hello", "status": 200, "body": {}})
+            await self._serve(reader, writer, arena)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            if arena is not None:  # unmapped now, or by the last running job's views
+                arena.close()
+
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        arena: ArenaView | None,
+    ) -> None:
         lock = asyncio.Lock()
         tasks: set[asyncio.Task[None]] = set()
         try:
@@ -134,25 +295,30 @@ class JobServer:
                     for lease_id in header.get("lease_ids", []):
                         self._client.discard(str(lease_id))
                     continue
-                task = asyncio.create_task(self._job(header, payload, writer, lock))
+                try:
+                    # The views are taken here, while the arena is surely mapped; they keep
+                    # it mapped until the job lets go of them.
+                    datas = _image_data(header, payload, arena)
+                except ArenaError as e:
+                    await self._reply(writer, lock, header, *_error("invalid_request", str(e)))
+                    continue
+                task = asyncio.create_task(self._job(header, datas, writer, lock))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
             pass
-        finally:
-            writer.close()
 
     async def _job(
         self,
         header: dict[str, Any],
-        payload: bytes,
+        datas: list[memoryview],
         writer: asyncio.StreamWriter,
         lock: asyncio.Lock,
     ) -> None:
         headers: dict[str, str] = {}
         out = b""
         try:
-            body, out = await self._answer(header, payload)
+            body, out = await self._answer(header, datas)
             status = 200
         except ApiError as e:
             status, body = _error(e.type, e.message)
@@ -162,26 +328,39 @@ class JobServer:
         except Exception as e:  # answered, logged, and the channel lives on
             log.exception("%s job failed", header.get("op"))
             status, body = _error("internal_error", f"{type(e).__name__}: {e}")
+        await self._reply(writer, lock, header, status, body, headers=headers, out=out)
+
+    async def _reply(
+        self,
+        writer: asyncio.StreamWriter,
+        lock: asyncio.Lock,
+        header: dict[str, Any],
+        status: int,
+        body: dict[str, Any],
+        *,
+        headers: dict[str, str] | None = None,
+        out: bytes = b"",
+    ) -> None:
         async with lock:
             try:
                 await _write(
                     writer,
-                    {"id": header["id"], "status": status, "body": body, "headers": headers},
+                    {"id": header["id"], "status": status, "body": body, "headers": headers or {}},
                     [out] if out else (),
                 )
             except ConnectionError:  # the front went away: its leases must not wait for TTL
                 for item in body.get("items", []) if header.get("op") == "encode" else []:
                     self._client.discard(item["lease_id"])
 
-    async def _answer(self, h: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    async def _answer(
+        self, h: dict[str, Any], datas: list[memoryview]
+    ) -> tuple[dict[str, Any], bytes]:
         c, op = self._client, h.get("op")
         if op == "encode":
-            images, at = [], 0
-            for label, size, head in h["images"]:
-                images.append(
-                    ImageIn(str(label), payload[at : at + size], Header(**head) if head else None)
-                )
-                at += size
+            images = [
+                ImageIn(str(label), data, Header(**head) if head else None)
+                for (label, _, head), data in zip(h["images"], datas, strict=True)
+            ]
             # The fronts' permits bound each front; this one bounds them all together.
             decoded = sum(i.header.decoded_bytes for i in images if i.header is not None)
             with self._admission.try_acquire(len(images), decoded):
@@ -222,14 +401,47 @@ class JobServer:
         raise ApiError("invalid_request", f"unknown job op {op!r}")
 
 
-class JobClient(EngineClient):
-    """Runs in each front process: one connection to the GPU process, many jobs in flight."""
+@dataclass
+class _Connection:
+    """A front's connection to the GPU process, with its own arena and its own jobs."""
 
-    def __init__(self, path: Path) -> None:
+    writer: asyncio.StreamWriter
+    arena: FrontArena | None
+    waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
+    placed: dict[int, Extent] = field(default_factory=dict)  # job -> its images' range
+
+    def answered(self, job: int) -> None:
+        """The GPU process answered ``job``: it reads the job's bytes no more."""
+        extent = self.placed.pop(job, None)
+        if extent is not None and self.arena is not None:
+            self.arena.free(extent)
+
+    def close(self) -> None:
+        # The arena goes with the connection (jobs of it may still run in the GPU process,
+        # reading their bytes: nothing is ever written there again); the next gets a new one.
+        self.placed.clear()
+        if self.arena is not None:
+            self.arena.close()
+        self.writer.close()
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(ApiError("not_ready", "the GPU process went away"))
+
+
+class JobClient(EngineClient):
+    """Runs in each front process: one connection to the GPU process, many jobs in flight.
+    Encode jobs' image bytes go through the connection's arena (``arena_bytes`` of shared
+    memory; 0: none) when it has room, else inline on the socket."""
+
+    def __init__(
+        self, path: Path, arena_bytes: int = 0, metrics: HttpMetrics | None = None
+    ) -> None:
         self.path = path
+        self.arena_bytes = arena_bytes
+        self._metrics = metrics
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Reply]] = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: _Connection | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
@@ -251,6 +463,7 @@ class JobClient(EngineClient):
                 "images": [[i.label, len(i.data), h] for i, h in zip(images, heads, strict=True)],
             },
             [i.data for i in images],
+            arena=True,
         )
         return EncodeResponse.model_validate(body).items
 
@@ -288,41 +501,118 @@ class JobClient(EngineClient):
     # ---- the channel -----------------------------------------------------------------------
 
     async def _call(
-        self, header: dict[str, Any], payload: Sequence[bytes] = ()
+        self, header: dict[str, Any], payload: Sequence[ImageData] = (), *, arena: bool = False
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one job and wait for its answer; an error answer is raised as ApiError."""
+        """Send one job and wait for its answer; an error answer is raised as ApiError. With
+        ``arena``, the payload goes through the connection's arena when it has room."""
+        conn = await self._connection()
         job = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._waiting[job] = fut
+        conn.waiting[job] = fut
         try:
-            await self._send({"id": job, **header}, payload)
+            async with self._write_lock:
+                if conn.writer.is_closing():
+                    raise ApiError("not_ready", "the GPU process went away")
+                frame = {"id": job, **header}
+                if arena:
+                    payload = self._place(conn, job, frame, payload)
+                # Placed and written without a pause: a frame in the transport's buffer goes
+                # out (and is answered, which frees its range) even if we are cancelled now.
+                _put(conn.writer, frame, payload)
+                try:
+                    await conn.writer.drain()
+                except ConnectionError as e:
+                    raise ApiError("not_ready", f"the GPU process went away ({e})") from e
             status, body, headers, out = await fut
         finally:
             # Cancelled (the client hung up): the answer, when it comes, is released unread.
-            self._waiting.pop(job, None)
+            conn.waiting.pop(job, None)
         if status != 200:
             err = body.get("error", {})
             kind = err.get("type") if err.get("type") in STATUS else "internal_error"
             raise ApiError(kind, str(err.get("message", "")), headers=headers or None)
         return body, out
 
-    async def _connection(self) -> asyncio.StreamWriter:
-        async with self._connect_lock:
-            if self._writer is None or self._writer.is_closing():
-                try:
-                    reader, self._writer = await asyncio.open_unix_connection(
-                        str(self.path), limit=1 << 20
-                    )
-                except OSError as e:
-                    raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
-                self._reader_task = asyncio.create_task(self._read_loop(reader))
-            return self._writer
+    def _place(
+        self,
+        conn: _Connection,
+        job: int,
+        frame: dict[str, Any],
+        payload: Sequence[ImageData],
+    ) -> Sequence[ImageData]:
+        """Copy the payload into the arena and name its offset in the frame: what is left to
+        send inline (nothing, or all of it when the arena has no room for it now)."""
+        nbytes = sum(len(p) for p in payload)
+        extent = conn.arena.put(payload) if conn.arena is not None else None
+        path = "inline" if extent is None else "arena"
+        if self._metrics is not None:
+            self._metrics.job_images.labels(path).inc(len(payload))
+            self._metrics.job_bytes.labels(path).inc(nbytes)
+        if extent is None:
+            return payload
+        conn.placed[job] = extent
+        frame["arena_offset"] = extent.offset
+        return ()
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+    async def _connection(self) -> _Connection:
+        async with self._connect_lock:
+            if self._conn is None or self._conn.writer.is_closing():
+                try:
+                    self._conn, reader = await self._connect()
+                except (OSError, EOFError, TimeoutError, ValueError) as e:
+                    raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
+                self._reader_task = asyncio.create_task(self._read_loop(self._conn, reader))
+            return self._conn
+
+    async def _connect(self) -> tuple[_Connection, asyncio.StreamReader]:
+        """Connect and say hello, handing over a new arena's FD; wait for the answer."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        arena = None
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, str(self.path))
+            if self.arena_bytes:
+                try:
+                    arena = FrontArena(self.arena_bytes)
+                except OSError as e:  # no memfd here: every job goes inline
+                    log.warning("no job arena (%s): image bytes go through the socket", e)
+            hello = json.dumps(
+                {"id": 0, "op": "hello", "arena_bytes": arena.size if arena else 0}
+            ).encode()
+            frame = _LEN.pack(len(hello)) + hello
+            # A fresh connection's empty buffer takes a frame this small at once.
+            fds = [arena.fd] if arena is not None else []
+            if socket.send_fds(sock, [frame], fds) != len(frame):
+                raise ConnectionError("the hello was cut short")
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
+        except BaseException:
+            sock.close()
+            if arena is not None:
+                arena.close()
+            raise
+        try:
+            answer, _ = await asyncio.wait_for(_read(reader), HELLO_TIMEOUT_S)
+            if answer.get("status") != 200:
+                raise ConnectionError(
+                    str(answer.get("body", {}).get("error", {}).get("message", answer))
+                )
+        except BaseException as e:
+            writer.close()
+            if arena is not None:
+                arena.close()
+            if isinstance(e, asyncio.IncompleteReadError):
+                raise EOFError("the GPU process closed the connection at its hello") from e
+            raise
+        return _Connection(writer, arena), reader
+
+    async def _read_loop(self, conn: _Connection, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 header, payload = await _read(reader)
-                fut = self._waiting.pop(int(header["id"]), None)
+                job = int(header["id"])
+                conn.answered(job)  # its range in the arena is free again
+                fut = conn.waiting.pop(job, None)
                 if fut is not None and not fut.done():
                     fut.set_result(
                         (
@@ -335,28 +625,19 @@ class JobClient(EngineClient):
                 elif header.get("status") == 200:  # nobody waits: give the leases back now
                     ids = [i["lease_id"] for i in header["body"].get("items", [])]
                     if ids:
-                        await self._send({"id": 0, "op": "discard", "lease_ids": ids})
+                        await self._send(conn, {"id": 0, "op": "discard", "lease_ids": ids})
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
             pass
         finally:
-            waiting, self._waiting = self._waiting, {}
-            for fut in waiting.values():
-                if not fut.done():
-                    fut.set_exception(ApiError("not_ready", "the GPU process went away"))
-            if self._writer is not None:
-                self._writer.close()
+            conn.close()
 
-    async def _send(self, header: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
-        writer = await self._connection()
+    async def _send(self, conn: _Connection, header: dict[str, Any]) -> None:
         async with self._write_lock:
-            try:
-                await _write(writer, header, payload)
-            except ConnectionError as e:
-                raise ApiError("not_ready", f"the GPU process went away ({e})") from e
+            await _write(conn.writer, header)
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._conn is not None:
+            self._conn.writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

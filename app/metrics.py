@@ -185,6 +185,21 @@ class HttpMetrics:
             ["outcome"],
             registry=r,
         )
+        # A front's encode jobs: images (and their bytes) handed to the GPU process through
+        # the front's shared-memory arena, or inline on the job socket (no room in the arena
+        # at that moment, or --job-arena-bytes 0). Only fronts count these.
+        self.job_images = Counter(
+            "featpool_job_images",
+            "Images a front handed to the GPU process, by path: arena (shared memory) or inline",
+            ["path"],
+            registry=r,
+        )
+        self.job_bytes = Counter(
+            "featpool_job_bytes",
+            "Image bytes a front handed to the GPU process, by path: arena or inline",
+            ["path"],
+            registry=r,
+        )
 
 
 class Metrics(HttpMetrics):

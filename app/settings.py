@@ -51,6 +51,14 @@ class Settings(BaseSettings):
         "0 serves HTTP in the GPU process; -1 (default): half the usable cores, at most 16, "
         "where there is a CUDA device, else 0 (see auto_http_workers)",
     )
+    job_arena_bytes: int = Field(
+        256 * MiB,
+        ge=0,
+        description="shared memory (a sealed memfd) through which each HTTP front hands "
+        "uploads to the GPU process instead of copying them through the job socket; a request "
+        "that does not fit now goes through the socket (featpool_job_bytes_total{path=inline}); "
+        "0: always through the socket",
+    )
     api_key: SecretStr | None = Field(
         None, description="if set, every /v1 request needs 'Authorization: Bearer <key>'"
     )
