@@ -102,11 +102,13 @@ class ArenaView:
         except OSError as e:
             raise ArenaError(f"the job arena cannot be mapped ({e})") from None
         self.size = nbytes
-        self._view = memoryview(self._map)
+        self._view: memoryview | None = memoryview(self._map)
 
     def images(self, offset: object, sizes: Sequence[object]) -> list[memoryview]:
         """Views of images of ``sizes`` bytes stored back to back from ``offset``; ArenaError
         if any byte of them lies outside the arena."""
+        if self._view is None:
+            raise ArenaError("the job arena is closed")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ArenaError(f"arena offset {offset!r} is not a non-negative integer")
         out, at = [], offset
@@ -123,9 +125,14 @@ class ArenaView:
         return out
 
     def close(self) -> None:
-        """Unmap now if no view is left; else the last view's release unmaps it."""
+        """Unmap now if no view is left; else the last view to go unmaps it (the views hold
+        the only references to the mapping left)."""
+        if self._view is None:
+            return
         self._view.release()
+        self._view = None
         try:
             self._map.close()
-        except BufferError:  # a job still reads: the views keep the mapping
+        except BufferError:  # a job still reads: its views keep the mapping
             pass
+        del self._map

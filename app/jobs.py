@@ -149,12 +149,14 @@ async def _receive_hello(conn: socket.socket) -> ArenaView | None:
                     break
             await _readable(conn)
             try:
-                chunk, got, _, _ = socket.recv_fds(
+                chunk, got, flags, _ = socket.recv_fds(
                     conn, MAX_HELLO + _LEN.size - len(data), 1, socket.MSG_CMSG_CLOEXEC
                 )
             except BlockingIOError:
                 continue
             fds += got
+            if flags & socket.MSG_CTRUNC:  # the kernel closed the FDs that did not fit
+                raise ArenaError("a hello with more than one FD")
             if not chunk:
                 raise EOFError("closed before its hello")
             data += chunk
@@ -343,6 +345,8 @@ class JobServer:
     ) -> None:
         async with lock:
             try:
+                if writer.is_closing():  # uvloop raises RuntimeError on a write then
+                    raise ConnectionResetError("the front went away")
                 await _write(
                     writer,
                     {"id": header["id"], "status": status, "body": body, "headers": headers or {}},

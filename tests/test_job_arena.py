@@ -1,0 +1,132 @@
+"""The job arena (app/job_arena.py): the front's allocator over a sealed memfd, the GPU
+process's checked, zero-copy views of it, and the mapping's lifetime."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import warnings
+
+import pytest
+import torch
+
+from app.engine import byte_tensor
+from app.job_arena import ArenaError, ArenaView, FrontArena
+
+
+def test_ranges_are_freed_and_reused_and_a_full_arena_says_so() -> None:
+    arena = FrontArena(4096)
+    try:
+        a = arena.put([b"x" * 1000, b"y" * 1000])
+        b = arena.put([b"z" * 2000])
+        assert a is not None and b is not None
+        assert arena.put([b"w" * 200]) is None  # 2048 + 2048 of 4096 used: no room
+        arena.free(a)
+        c = arena.put([b"v" * 2000])
+        assert c is not None and c.offset == a.offset  # the freed range, again
+        assert arena.put([b"u" * 5000]) is None  # larger than the arena: never fits
+        assert arena.put([]) is None
+    finally:
+        arena.close()
+    assert arena.put([b"late"]) is None  # a closed arena takes nothing
+
+
+def test_the_gpu_side_sees_the_fronts_bytes_without_a_copy() -> None:
+    arena = FrontArena(1 << 16)
+    view = ArenaView(arena.fd, arena.size)
+    try:
+        ext = arena.put([b"\xff\xd8\xffhello", b"world"])
+        assert ext is not None
+        first, second = view.images(ext.offset, [8, 5])
+        assert (bytes(first), bytes(second)) == (b"\xff\xd8\xffhello", b"world")
+        assert first[:3] == b"\xff\xd8\xff"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns on a read-only buffer
+            t = byte_tensor(second)
+        arena._map[ext.offset + 8 : ext.offset + 13] = b"WORLD"  # the front writes again
+        assert bytes(t.numpy()) == b"WORLD"  # the tensor is a view, not a copy
+        # An upload's bytes (immutable) are copied: the decoders get a writable buffer.
+        data = b"abc"
+        copied = byte_tensor(data)
+        copied[0] = ord("z")
+        assert data == b"abc" and torch.equal(
+            copied, torch.tensor([122, 98, 99], dtype=torch.uint8)
+        )
+    finally:
+        view.close()
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    ("offset", "sizes"),
+    [
+        (65536 - 100, [1000]),  # runs past the end
+        (65536, [1]),  # starts at the end
+        (-10, [5]),  # negative: Python slicing would read the arena's tail
+        (0, [0]),
+        (0, [-4]),
+        ("0", [4]),
+        (0, [True]),
+        (1.5, [4]),
+        (0, [60000, 6000]),  # the second image past the end
+    ],
+)
+def test_ranges_outside_the_arena_are_refused(offset: object, sizes: list[object]) -> None:
+    arena = FrontArena(65536)
+    view = ArenaView(arena.fd, arena.size)
+    try:
+        with pytest.raises(ArenaError):
+            view.images(offset, sizes)
+        assert len(view.images(65536 - 10, [10])[0]) == 10  # the last byte is in range
+    finally:
+        view.close()
+        arena.close()
+
+
+def test_only_a_memfd_sealed_against_shrinking_is_mapped() -> None:
+    unsealed = os.memfd_create("t", os.MFD_ALLOW_SEALING)
+    no_seals = os.memfd_create("t")  # F_SEAL_SEAL set from the start: no F_SEAL_SHRINK
+    r, w = os.pipe()
+    try:
+        os.ftruncate(unsealed, 4096)
+        os.ftruncate(no_seals, 4096)
+        with pytest.raises(ArenaError, match="sealed against shrinking"):
+            ArenaView(unsealed, 4096)
+        with pytest.raises(ArenaError, match="sealed against shrinking"):
+            ArenaView(no_seals, 4096)
+        with pytest.raises(ArenaError, match="must be a memfd"):
+            ArenaView(r, 4096)
+        fcntl.fcntl(unsealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with pytest.raises(ArenaError, match="announced"):
+            ArenaView(unsealed, 8192)  # more than the file holds
+        ArenaView(unsealed, 4096).close()
+    finally:
+        for fd in (unsealed, no_seals, r, w):
+            os.close(fd)
+
+
+def maps_of_arenas() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("featpool-jobs" in line for line in f)
+
+
+def test_the_mapping_outlives_close_while_a_view_is_held() -> None:
+    """A connection that ends while a job of it still decodes: the job's views keep the
+    mapping; the last one to go unmaps it."""
+    before = maps_of_arenas()
+    arena = FrontArena(1 << 16)
+    ext = arena.put([b"still here"])
+    assert ext is not None
+    view = ArenaView(arena.fd, arena.size)
+    (held,) = view.images(ext.offset, [10])
+    tensor = byte_tensor(view.images(ext.offset, [10])[0])
+    arena.close()  # the front side is gone too (its FD and its own mapping)
+    view.close()
+    with pytest.raises(ArenaError, match="closed"):
+        view.images(ext.offset, [10])
+    assert maps_of_arenas() == before + 1
+    assert bytes(held) == b"still here" and bytes(tensor.numpy()) == b"still here"
+    del held
+    assert maps_of_arenas() == before + 1  # the tensor still holds it
+    del tensor
+    assert maps_of_arenas() == before
