@@ -579,7 +579,7 @@ class JobClient(EngineClient):
             if self.arena_bytes:
                 try:
                     arena = FrontArena(self.arena_bytes)
-                except OSError as e:  # no memfd here: every job goes inline
+                except (OSError, ValueError) as e:  # no memfd here, or a tiny setting
                     log.warning("no job arena (%s): image bytes go through the socket", e)
             hello = json.dumps(
                 {"id": 0, "op": "hello", "arena_bytes": arena.size if arena else 0}
@@ -587,7 +587,8 @@ class JobClient(EngineClient):
             frame = _LEN.pack(len(hello)) + hello
             # A fresh connection's empty buffer takes a frame this small at once.
             fds = [arena.fd] if arena is not None else []
-            if socket.send_fds(sock, [frame], fds) != len(frame):
+            sent = socket.send_fds(sock, [frame], fds) if fds else sock.send(frame)
+            if sent != len(frame):
                 raise ConnectionError("the hello was cut short")
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
         except BaseException:
