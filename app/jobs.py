@@ -277,6 +277,8 @@ class JobServer:
             await self._serve(reader, writer, arena)
         except ConnectionError:
             pass
+        except Exception:  # a malformed frame: this connection ends, the others live on
+            log.exception("job channel: a connection ended on a malformed frame")
         finally:
             writer.close()
             if arena is not None:  # unmapped now, or by the last running job's views
