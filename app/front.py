@@ -1,9 +1,10 @@
 """HTTP front processes (``--http-workers N``): each serves the same routes as the GPU process
 (encode, leases, pool, health) with ``app.jobs.JobClient`` as their EngineClient: it parses
 uploads, takes its admission permit, parses headers, and sends the images to the GPU process over
-the job channel (their bytes through shared memory, ``--job-arena-bytes``: app/job_arena.py). What is left (/metrics, the OpenAPI document) is forwarded to the GPU process's
-own HTTP server on a Unix socket. A front imports neither torch nor the engine. One port, N
-processes: the GPU process's interpreter is left to batching, launching and publishing.
+the job channel (their bytes through shared memory, ``--job-arena-bytes``: app/job_arena.py).
+What is left (/metrics, the OpenAPI document) is forwarded to the GPU process's own HTTP server
+on a Unix socket. A front imports neither torch nor the engine. One port, N processes: the GPU
+process's interpreter is left to batching, launching and publishing.
 
 Run by ``python -m app`` when ``--http-workers`` is above zero; not meant to be started alone.
 """

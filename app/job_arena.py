@@ -9,6 +9,13 @@ the GPU process's answer for that job arrives, or when the connection ends (then
 goes and the next connection gets a new one, so a job still running for a dead connection never
 sees its bytes rewritten).
 
+The GPU process reads a job's bytes only before it answers the job: the feature hash on the
+event loop, header parse and Pillow decode on the decode threads (each through its own copy,
+``io.BytesIO``), the GPU decoders in the batch's prepare stage, which the batcher finishes (or
+waits for, when a request fails) before the request is answered. One exception, harmless: when
+one image of a request fails, a Pillow decode of another image of it that already started runs
+on after the error answer, on bytes the front may be rewriting; its result is dropped.
+
 The GPU process checks what it maps and what it reads: a memfd (``F_GET_SEALS`` answers only
 for memfds) sealed against shrinking (a front that truncates the file under a mapping would
 kill the GPU process with SIGBUS), and every job's range inside the arena. A view keeps the
