@@ -21,7 +21,7 @@ from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import RETRY_AFTER, ApiError
-from app.featindex import FeatureIndex, feature_hash, identity_digest
+from app.featindex import FeatureIndex, content_digest, feature_hash, identity_digest
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
@@ -410,7 +410,7 @@ class Engine:
         if not self.ready or self.encoder is None or self.pool is None:
             raise ApiError("not_ready", "the service is starting or draining")
         ident = identity_digest(self.identity(pooled, dtype))
-        digests = [feature_hash(ident, img.data) for img in images]
+        digests = [feature_hash(ident, img.digest or content_digest(img.data)) for img in images]
         names = list(ids) if ids is not None else [None] * len(images)
         for name, digest in zip(names, digests, strict=True):
             if name is not None:

@@ -1,6 +1,6 @@
 """Content-addressed features: which leases already hold the features of which image bytes.
 
-The feature hash of an image is ``SHA-256(identity || bytes)``, where ``identity`` is itself the
+The feature hash of an image is ``SHA-256(identity || SHA-256(bytes))``, where ``identity`` is the
 SHA-256 of the encoder's identity (model name, weights path, preprocessing: size, mean, std,
 output shape; the dtype and pooling of the published tensor). Equal hashes mean equal features,
 so a repeat upload, or a lookup by hash or by a client-supplied id, can get a lease on the
@@ -50,11 +50,16 @@ def identity_digest(identity: dict[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
 
 
-def feature_hash(identity: bytes, data: ImageData) -> str:
-    """The full-width (256-bit) hex hash of the features of ``data`` under ``identity``."""
-    h = hashlib.sha256(identity)
-    h.update(data)  # not identity + data: that would copy the image
-    return h.hexdigest()
+def content_digest(data: ImageData) -> bytes:
+    """SHA-256 of an image's bytes. Front processes compute it beside the upload (they have
+    cores to spare), so the one GPU process hashes 64 bytes per image, not the image."""
+    return hashlib.sha256(data).digest()
+
+
+def feature_hash(identity: bytes, content: bytes) -> str:
+    """The full-width (256-bit) hex hash of the features of the image whose
+    ``content_digest`` is ``content``, under ``identity``."""
+    return hashlib.sha256(identity + content).hexdigest()
 
 
 def check_id(client_id: str) -> str:

@@ -55,6 +55,7 @@ from app.engine_client import (
     ImageIn,
 )
 from app.errors import STATUS, ApiError
+from app.featindex import content_digest
 from app.imaging import Header, ImageData
 from app.job_arena import ArenaError, ArenaView, FrontArena
 from app.metrics import HttpMetrics
@@ -105,6 +106,19 @@ async def _read(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
     header = json.loads(await reader.readexactly(n))
     payload = await reader.readexactly(int(header.get("payload", 0)))
     return header, payload
+
+
+def _digests(given: Any, n: int) -> list[bytes | None]:
+    """The images' content digests a front computed (hex SHA-256 each), or None for each."""
+    if given is None:
+        return [None] * n
+    try:
+        out = [bytes.fromhex(d) for d in given]
+    except (TypeError, ValueError):
+        out = []
+    if len(out) != n or any(len(d) != 32 for d in out):
+        raise ApiError("invalid_request", f"job frame: {n} images need {n} SHA-256 digests")
+    return list[bytes | None](out)
 
 
 def _error(kind: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -363,9 +377,10 @@ class JobServer:
     ) -> tuple[dict[str, Any], bytes]:
         c, op = self._client, h.get("op")
         if op == "encode":
+            digests = _digests(h.get("digests"), len(datas))
             images = [
-                ImageIn(str(label), data, Header(**head) if head else None)
-                for (label, _, head), data in zip(h["images"], datas, strict=True)
+                ImageIn(str(label), data, Header(**head) if head else None, digest)
+                for (label, _, head), data, digest in zip(h["images"], datas, digests, strict=True)
             ]
             # The fronts' permits bound each front; this one bounds them all together.
             decoded = sum(i.header.decoded_bytes for i in images if i.header is not None)
@@ -467,6 +482,7 @@ class JobClient(EngineClient):
                 "scope": options.scope,
                 "ids": list(options.ids) if options.ids is not None else None,
                 "images": [[i.label, len(i.data), h] for i, h in zip(images, heads, strict=True)],
+                "digests": [(i.digest or content_digest(i.data)).hex() for i in images],
             },
             [i.data for i in images],
             arena=True,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.admission import Admission
 from app.engine import byte_tensor
 from app.engine_client import EncodeOptions, ImageIn
-from app.featindex import feature_hash
+from app.featindex import content_digest, feature_hash
 from app.jobs import JobClient, JobServer
 
 
@@ -40,7 +40,7 @@ class BytesOnly:
     async def encode(self, images: list[ImageIn], options: EncodeOptions) -> list[Any]:
         for img in images:
             if self.hash_bytes:
-                feature_hash(b"identity", img.data)
+                feature_hash(b"identity", img.digest or content_digest(img.data))
             byte_tensor(img.data)
         return []
 

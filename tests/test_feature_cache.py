@@ -64,7 +64,8 @@ def test_hash_is_sha256_of_identity_and_bytes(make_client: Callable[..., TestCli
         "pooled": False,
     }
     ident = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
-    assert item["feature_hash"] == hashlib.sha256(ident + CAT).hexdigest()
+    content = hashlib.sha256(CAT).digest()
+    assert item["feature_hash"] == hashlib.sha256(ident + content).hexdigest()
     assert item["cached"] is False
     # Another dtype or pooling is another identity: other features, another hash.
     other = upload(c, CAT, "?dtype=bfloat16").json()["items"][0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -258,6 +259,20 @@ def test_job_ranges_outside_the_arena_are_refused(
             send_frame(s, encode_job(2, len(cat) + 5), cat)
             bad = read_frame(s)
             assert bad["status"] == 400 and "payload" in bad["body"]["error"]["message"]
+            # Content digests (the fronts hash the bytes): one per image, 32 bytes each.
+            for job, digests in ((3, ["ab" * 31]), (4, []), (5, ["zz" * 32]), (6, 7)):
+                send_frame(s, encode_job(job, len(cat), digests=digests), cat)
+                bad = read_frame(s)
+                assert bad["status"] == 400 and "digest" in bad["body"]["error"]["message"], bad
+            # A front's digest names the features: the answer's hash is built from it.
+            given = hashlib.sha256(b"not these bytes").hexdigest()
+            send_frame(s, encode_job(7, len(cat), digests=[given]), cat)
+            ok = read_frame(s)
+            assert ok["status"] == 200, ok
+            first = ok["body"]["items"][0]["feature_hash"]
+            send_frame(s, encode_job(8, len(cat)), cat)  # hashed by the GPU process
+            ok = read_frame(s)
+            assert ok["status"] == 200 and ok["body"]["items"][0]["feature_hash"] != first
     finally:
         arena.close()
     assert healthy(url)
