@@ -262,6 +262,7 @@ class Engine:
             dtype=dtype,
             weights=s.encoder_weights,
             compile=s.encoder_compile,
+            tower_compile=s.tower_compile,
         )
 
     def _start_remote(self) -> None:

@@ -125,18 +125,14 @@ def build_checkpoint(kind: str, directory: Path) -> Path:
     return directory
 
 
-def transformers_path(
-    kind: str, directory: Path, fused: bool = False
-) -> tuple[Any, Callable[..., list[torch.Tensor]]]:
-    """transformers' processor and a function: PIL images -> per-image features (bf16).
-    ``fused``: transformers' own patch-embedding fusion (Conv3d run as a Linear)."""
+def transformers_path(kind: str, directory: Path) -> tuple[Any, Callable[..., list[torch.Tensor]]]:
+    """transformers' processor and a function: PIL images -> per-image features (bf16)."""
     import transformers as tf
 
     processor = tf.AutoImageProcessor.from_pretrained(directory, local_files_only=True)
     if kind == "qwen2_5_vl":
-        extra = {"fusion_config": {"patch_embeddings": True}} if fused else {}
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            directory, local_files_only=True, dtype=torch.bfloat16, **extra
+            directory, local_files_only=True, dtype=torch.bfloat16
         )
         tower = model.model.visual.cuda().eval()
 
@@ -173,9 +169,8 @@ def run_transformers(
     batch: int,
     *,
     device: str | None,
-    fused: bool,
 ) -> dict[str, Any]:
-    processor, forward = transformers_path(kind, directory, fused)
+    processor, forward = transformers_path(kind, directory)
     kw = {"device": device} if device else {}
     chunks = [images[i : i + batch] for i in range(0, len(images), batch)]
     first: list[torch.Tensor] = []
@@ -233,6 +228,7 @@ async def run_featpool(
     enc: Any = engine.encoder
     load = {
         "engine_start_s": start_s,
+        "tower_compiled": getattr(enc, "compiled", None),
         "encoder_load_s": getattr(enc, "load_s", None),
         "weights_bytes": getattr(enc, "load_bytes", None)
         or sum(p.numel() * p.element_size() for p in enc.module.parameters()),
@@ -334,15 +330,13 @@ def main() -> None:
             fp = asyncio.run(run_featpool(directory, images, args.batch, args.depth, tmp))
             rows: dict[str, Any] = {"checkpoint_build_s": build_s, "featpool": fp}
             baselines = [
-                ("transformers_cpu_processor", None, False),
-                ("transformers_cuda_processor", "cuda", False),
+                ("transformers_cpu_processor", None),
+                ("transformers_cuda_processor", "cuda"),
             ]
-            if kind == "qwen2_5_vl":
-                baselines.append(("transformers_cuda_processor_fused_patch_embed", "cuda", True))
-            for label, device, fused in baselines:
+            for label, device in baselines:
                 try:
                     rows[label] = run_transformers(
-                        kind, directory, images, args.batch, device=device, fused=fused
+                        kind, directory, images, args.batch, device=device
                     )
                 except Exception as e:  # e.g. a processor without a device argument
                     rows[label] = {"error": repr(e)}

@@ -41,6 +41,7 @@ def build_encoder(
     dtype: torch.dtype | None = None,
     weights: Path | None = None,
     compile: bool = False,
+    tower_compile: bool = False,
 ) -> Encoder | DynamicEncoder:
     """Build the encoder `name`: a preset of `PRESETS`, or `hf:<local dir or cached repo id>`.
     A Qwen2-VL or Qwen2.5-VL checkpoint gives a `DynamicEncoder` (its vision tower, dynamic
@@ -48,7 +49,8 @@ def build_encoder(
 
     `dtype` defaults to bfloat16 on CUDA and float32 elsewhere. `weights` (presets only) is a
     local safetensors file; without it the weights are seeded, identical in every process.
-    `compile` uses torch.compile on CUDA.
+    `compile` uses torch.compile on CUDA for a fixed-size tower, `tower_compile` for a dynamic
+    one's blocks.
     """
     if name.startswith(HF_PREFIX):
         if weights is not None:
@@ -61,8 +63,10 @@ def build_encoder(
         directory = resolve_model(name[len(HF_PREFIX) :])
         if is_qwen_checkpoint(directory):
             if compile:
-                log.warning("%s: --encoder-compile is not used for dynamic-resolution towers", name)
-            return QwenVisionEncoder(directory, device=device, dtype=dtype)
+                log.warning(
+                    "%s: --encoder-compile is for fixed-size towers (see --tower-compile)", name
+                )
+            return QwenVisionEncoder(directory, device=device, dtype=dtype, compile=tower_compile)
         return HFVisionEncoder(name[len(HF_PREFIX) :], device=device, dtype=dtype, compile=compile)
     if name not in PRESETS:
         raise _unknown(name)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as nnf
@@ -292,6 +292,7 @@ class QwenVisionEncoder:
         device: torch.device | str,
         dtype: torch.dtype | None = None,
         attention: str | None = None,
+        compile: bool = False,
     ) -> None:
         from app.encoders.hf import import_transformers
 
@@ -337,6 +338,13 @@ class QwenVisionEncoder:
         self.load_bytes = self._load_weights(model, directory)
         model.eval().requires_grad_(False)
         self.patch_gemm = patch_embed_as_gemm(model)
+        # Eager, each block is a dozen elementwise kernels in float32 (RMSNorm, rotary, SiLU)
+        # around its GEMMs; compiled, they fuse (36 -> 15 ms per 1024 px image for the 7B
+        # tower on an H200). Dynamic shapes: one graph for every token count.
+        self.compiled = compile and self.device.type == "cuda"
+        if self.compiled:
+            for block in cast(Sequence[nn.Module], model.blocks):
+                block.compile(dynamic=True)
         self.module: nn.Module = model
         self.merge_unit = self.pre.merge_size**2
         # Qwen2-VL names the merged width hidden_size, Qwen2.5-VL out_hidden_size
@@ -419,9 +427,12 @@ class QwenVisionEncoder:
         return list(zip(merged.to(self.dtype).split(sizes), grids, strict=True))
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
-        side = self.pre.factor * 2
+        # Several windows per image and more than one image: a compiled tower then traces the
+        # general case here (not one specialised to a single window or image) and does not
+        # compile again while serving.
+        side = self.pre.factor * 16
         im = torch.zeros(3, side, side, dtype=torch.uint8, device=self.device)
-        for b in sorted(set(batch_sizes))[:2]:
+        for b in sorted({max(2, b) for b in batch_sizes})[:2]:
             self.encode_images([im] * b)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
