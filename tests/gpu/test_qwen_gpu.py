@@ -20,8 +20,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
-def test_http_features_equal_transformers_bf16(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "compiled"), [("qwen2_vl", True), ("qwen2_5_vl", True), ("qwen2_5_vl", False)]
+)
+def test_http_features_equal_transformers_bf16(kind: str, compiled: bool, tmp_path: Path) -> None:
+    """Compiled blocks (``--tower-compile``, the default) and eager ones alike."""
     pytest.importorskip("transformers")
     checkpoint = build_checkpoint(kind, tmp_path / kind)
     files = photos()
@@ -33,6 +36,7 @@ def test_http_features_equal_transformers_bf16(kind: str, tmp_path: Path) -> Non
         pool_bytes=64 << 20,
         slab_bytes=32 << 20,
         gpu_decode="auto",
+        tower_compile=compiled,
     )
     with live_server(settings) as live:
         parts = [("image", (name, data)) for name, data in files.items()]
@@ -45,5 +49,7 @@ def test_http_features_equal_transformers_bf16(kind: str, tmp_path: Path) -> Non
             got = httpx.get(f"{live.url}/v1/leases/{item['lease_id']}/tensor", timeout=30)
             feats = load(got.content)["features"].float()
             c = cosine(feats, ref)
-            print(f"{kind} {name}: grid {grid} cosine {c:.5f} tier {item['tier']}")
+            print(
+                f"{kind} compiled={compiled} {name}: grid {grid} cosine {c:.5f} tier {item['tier']}"
+            )
             assert c >= 0.99, (name, c)
