@@ -387,8 +387,9 @@ def run_point(
 
 
 def _py_spy(args: argparse.Namespace, pid: int, p: Point) -> subprocess.Popen[bytes] | None:
-    """With ``--py-spy DIR``: sample the GPU process's Python stacks (every thread, running
-    samples only) over the point's measured window, as collapsed stacks in DIR."""
+    """With ``--py-spy DIR``: sample the GPU process's Python stacks over the point's window,
+    as collapsed stacks in DIR: the thread holding the interpreter lock at each sample (none
+    held: no sample), so samples / (rate x duration) is how busy the lock was."""
     if args.py_spy is None:
         return None
     args.py_spy.mkdir(parents=True, exist_ok=True)
@@ -402,6 +403,7 @@ def _py_spy(args: argparse.Namespace, pid: int, p: Point) -> subprocess.Popen[by
             "--rate",
             "200",
             "--threads",
+            "--gil",
             "--nonblocking",
             "--format",
             "raw",
