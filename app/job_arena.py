@@ -9,10 +9,11 @@ the GPU process's answer for that job arrives, or when the connection ends (then
 goes and the next connection gets a new one, so a job still running for a dead connection never
 sees its bytes rewritten).
 
-The GPU process reads a job's bytes only before it answers the job: the feature hash on the
-event loop, header parse and Pillow decode on the decode threads (each through its own copy,
-``io.BytesIO``), the GPU decoders in the batch's prepare stage, which the batcher finishes (or
-waits for, when a request fails) before the request is answered. One exception, harmless: when
+The GPU process reads a job's bytes only before it answers the job: their SHA-256 on the event
+loop where the front sent none (the fronts send it with every encode job), header parse and
+Pillow decode on the decode threads (each through its own copy, ``io.BytesIO``), the GPU
+decoders in the batch's prepare stage, which the batcher finishes (or waits for, when a request
+fails) before the request is answered. One exception, harmless: when
 one image of a request fails, a Pillow decode of another image of it that already started runs
 on after the error answer, on bytes the front may be rewriting; its result is dropped.
 
