@@ -108,7 +108,7 @@ async def _read(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
     return header, payload
 
 
-def _digests(given: Any, n: int) -> list[bytes | None]:
+def _digests(given: Any, n: int) -> Sequence[bytes | None]:
     """The images' content digests a front computed (hex SHA-256 each), or None for each."""
     if given is None:
         return [None] * n
@@ -118,7 +118,7 @@ def _digests(given: Any, n: int) -> list[bytes | None]:
         out = []
     if len(out) != n or any(len(d) != 32 for d in out):
         raise ApiError("invalid_request", f"job frame: {n} images need {n} SHA-256 digests")
-    return list[bytes | None](out)
+    return out
 
 
 def _error(kind: str, message: str) -> tuple[int, dict[str, Any]]:
