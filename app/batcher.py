@@ -55,11 +55,12 @@ class Batcher(Generic[T, R]):
         discard: Callable[[R], None] = lambda _: None,
         on_batch: Callable[[BatchStats], None] = lambda _: None,
         in_flight: int = 2,
-        prepare: Callable[[list[T]], None] | None = None,
+        prepare: Callable[[list[T]], Callable[[], Sequence[R | BaseException]]] | None = None,
     ) -> None:
         self._run_batch = run_batch
         # An optional first stage (the engine's decode), on a thread of its own: batch N+1 is
-        # prepared while batch N runs. It is called with the very list run_batch gets next.
+        # prepared while batch N runs. It returns the second stage, which then runs in place
+        # of run_batch on the batch thread (dropped, with what it holds, if the batch is not run).
         self._prepare = prepare
         self._prep_turn = asyncio.Lock()
         self._prep_executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-prepare")
@@ -196,12 +197,12 @@ class Batcher(Generic[T, R]):
                 prepare = self._prepare
                 assert prepare is not None
                 try:
-                    await loop.run_in_executor(self._prep_executor, prepare, values)
+                    second = await loop.run_in_executor(self._prep_executor, prepare, values)
                 finally:
                     first.release()
                 async with self._turn:
                     results: Sequence[R | BaseException] = await loop.run_in_executor(
-                        self._executor, self._run_batch, values
+                        self._executor, second
                     )
             else:
                 results = await loop.run_in_executor(self._executor, self._run_batch, values)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -97,6 +98,12 @@ class Published:
     cached: bool
 
 
+# What the prepare stage hands the batch stage: the indices of the jobs that decoded, their
+# pixels as one batch on the device (None if none decoded), each failed job's error, and the
+# CUDA event the forward waits for (None off the decode stream).
+Prepared = tuple[list[int], torch.Tensor | None, dict[int, BaseException], Any]
+
+
 @dataclass
 class Job:
     label: str
@@ -151,7 +158,6 @@ class Engine:
         # and hash of its identity were ~9 % of the event loop's time per request
         self._identity_digests: dict[tuple[bool, torch.dtype | None], bytes] = {}
         self._decode_stream: Any = None  # CUDA: decode and preprocess run on their own
-        self._prepared: dict[int, Any] = {}  # id(batch) -> what _prepare_batch made
 
     @property
     def decoder_name(self) -> str:
@@ -647,32 +653,34 @@ class Engine:
             return x.pin_memory().to(self.device, non_blocking=True)
         return x
 
-    def _prepare_batch(self, jobs: list[Job]) -> None:
+    def _prepare_batch(self, jobs: list[Job]) -> Callable[[], list[Lease | BaseException]]:
         """Stage one, on the batcher's prepare thread: decode (nvJPEG, nvImageCodec) and
         preprocess batch N+1 while the batch thread launches and publishes batch N. On CUDA it
         runs on a stream of its own, so on the GPU too this decode runs beside the forward the
         batch thread launched, instead of queueing behind it; that batch's forward waits for
-        the event recorded here. ``_run_batch`` picks the result up (same list object)."""
+        the event recorded here. Returns stage two, ``_run_batch`` with what was prepared."""
         if self.encoder is None or is_dynamic(self.encoder):  # it decodes in _run_dynamic
-            return
-        while len(self._prepared) >= 4:  # a batch cancelled between its two stages
-            self._prepared.pop(next(iter(self._prepared)))
+            return functools.partial(self._run_batch, jobs)
         side = self._decode_stream
+        prepared: Prepared | BaseException
         try:
             if side is None:
-                self._prepared[id(jobs)] = (*self._pixels(jobs), None)
-                return
-            with torch.cuda.stream(side):
-                ok, x, failed = self._pixels(jobs)
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record(side)
-            if x is not None:  # not reused by the side stream before the forward is done
-                x.record_stream(torch.cuda.current_stream(self.device))
-            self._prepared[id(jobs)] = (ok, x, failed, ready)
+                prepared = (*self._pixels(jobs), None)
+            else:
+                with torch.cuda.stream(side):
+                    ok, x, failed = self._pixels(jobs)
+                    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    ready.record(side)
+                if x is not None:  # not reused by the side stream before the forward is done
+                    x.record_stream(torch.cuda.current_stream(self.device))
+                prepared = (ok, x, failed, ready)
         except Exception as e:  # _run_batch reports it like its own errors
-            self._prepared[id(jobs)] = e
+            prepared = e
+        return functools.partial(self._run_batch, jobs, prepared)
 
-    def _run_batch(self, jobs: list[Job]) -> list[Lease | BaseException]:
+    def _run_batch(
+        self, jobs: list[Job], prepared: Prepared | BaseException | None = None
+    ) -> list[Lease | BaseException]:
         """Runs on the batch thread: decode, normalise, encode, publish each row to the pool.
         An image that cannot be decoded fails alone; a CUDA out-of-memory in the encoder splits
         the batch; any other error fails the batch, and a sticky CUDA error marks the service
@@ -682,7 +690,6 @@ class Engine:
             return self._run_dynamic(jobs, cast(DynamicEncoder, self.encoder))
         encoder = cast(Encoder, self.encoder)
         try:
-            prepared = self._prepared.pop(id(jobs), None)
             if prepared is None:  # called without the prepare stage
                 prepared = (*self._pixels(jobs), None)
             if isinstance(prepared, BaseException):

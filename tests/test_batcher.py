@@ -175,10 +175,11 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
     ran: list[list[int]] = []
     second_prepare = threading.Event()
 
-    def prepare(values: list[int]) -> None:
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
         prepared.append(list(values))
         if len(prepared) == 2:
             second_prepare.set()
+        return lambda: run_batch(values)
 
     def run_batch(values: list[int]) -> list[int | BaseException]:
         assert values in prepared  # the same values were prepared first
