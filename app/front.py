@@ -12,6 +12,7 @@ Run by ``python -m app`` when ``--http-workers`` is above zero; not meant to be 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -26,11 +27,14 @@ from app import errors, logs
 from app.admission import entrance_state
 from app.errors import ApiError
 from app.http_protocol import http_protocol
+from app.interpreter import GcClock, freeze_startup_objects
 from app.jobs import JobClient, channel_paths
 from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, ops, v1
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # Hop-by-hop and length headers are the proxy's own business.
 _SKIP = {
@@ -74,9 +78,16 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gc_clock = GcClock(metrics.front_gc_pause)
+        gc_clock.install()
+        if settings.gc_freeze:  # a front is a process of its own (python -m app.front)
+            log.info(
+                "front %d: gc.freeze: %d start-up objects", os.getpid(), freeze_startup_objects()
+            )
         try:
             yield
         finally:
+            gc_clock.remove()
             app.state.inspector.shutdown()
             await jobs.close()
             await core.aclose()

@@ -19,6 +19,7 @@ from app.admission import entrance_state
 from app.encoders.base import Encoder
 from app.engine import Engine
 from app.inprocess import InProcessEngineClient
+from app.interpreter import GcClock, freeze_startup_objects
 from app.jobs import JobServer, channel_paths
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
@@ -41,9 +42,12 @@ def create_app(
     *,
     encoder: Encoder | None = None,
     front_metrics_dir: Path | None = None,
+    freeze_gc: bool = False,
 ) -> FastAPI:
     """Build the service. ``encoder`` replaces the configured one (tests pass a fake);
-    ``front_metrics_dir`` is where HTTP front processes keep their request metrics."""
+    ``front_metrics_dir`` is where HTTP front processes keep their request metrics;
+    ``freeze_gc``: freeze the process's objects once started (``python -m app`` owns the
+    process; tests that build many apps in one do not)."""
     settings = settings or Settings()
     metrics = Metrics(front_metrics_dir)
     engine = Engine(settings, metrics, encoder)
@@ -90,10 +94,17 @@ def create_app(
         )
         if jobs is not None:
             await jobs.start()
+        gc_clock = GcClock(metrics.gc_pause)
+        gc_clock.install()
+        if freeze_gc:
+            log.info(
+                "gc.freeze: %d start-up objects left out of collections", freeze_startup_objects()
+            )
         log_startup(settings, engine)
         try:
             yield
         finally:
+            gc_clock.remove()
             entry.close()  # first: new consumers go to another server while this one drains
             if jobs is not None:
                 await jobs.stop()

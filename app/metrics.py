@@ -200,6 +200,13 @@ class HttpMetrics:
             ["path"],
             registry=r,
         )
+        # Collector pauses of the front processes, summed (app/interpreter.py).
+        self.front_gc_pause = Counter(
+            "featpool_front_gc_pause_seconds",
+            "Time the HTTP front processes spent in garbage collections, by generation",
+            ["generation"],
+            registry=r,
+        )
 
 
 class Metrics(HttpMetrics):
@@ -226,6 +233,13 @@ class Metrics(HttpMetrics):
             registry=r,
         )
         self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)
+        self.gc_pause = Counter(
+            "featpool_gc_pause_seconds",
+            "Time this (the GPU) process spent in garbage collections, holding the interpreter "
+            "lock: the event loop, decode and batch threads wait meanwhile; by generation",
+            ["generation"],
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "featpool_queue_wait_seconds",
             "Time an image waited for its batch",

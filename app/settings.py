@@ -215,6 +215,12 @@ class Settings(BaseSettings):
     )
 
     # Logs
+    gc_freeze: bool = Field(
+        True,
+        description="after start-up, move every object to the garbage collector's permanent "
+        "generation (gc.freeze) in the processes of `python -m app`, so that collections while "
+        "serving walk only what serving made (app/interpreter.py)",
+    )
     log_level: str = Field("INFO", description="logging level")
     log_json: bool = Field(False, description="one JSON object per log line")
 

@@ -188,6 +188,10 @@ def scrape(base: str) -> dict[str, float]:
         for kind in ("sum", "count"):
             m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
             out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
+    for key, name in (("gpu", "gc_pause"), ("front", "front_gc_pause")):  # all generations
+        found = re.findall(rf"^featpool_{name}_seconds_total{{.*}} (\S+)$", text, re.M)
+        out[f"gc_{key}_s"] = sum(float(v) for v in found)
+    out["t"] = time.monotonic()
     return out
 
 
@@ -276,6 +280,9 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         "publish_us": mean("publish_duration_seconds", 1e6),
         "mean_batch": mean("batch_size"),
         "batches": d["batch_size_count"],
+        # ms of collector pauses per second of wall time (fronts: summed over them)
+        "gc_gpu_ms_per_s": d["gc_gpu_s"] / d["t"] * 1e3,
+        "gc_fronts_ms_per_s": d["gc_front_s"] / d["t"] * 1e3,
     }
 
 
@@ -500,9 +507,9 @@ def main() -> None:
     print(
         "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
         "decode ms | queue ms | encode ms/batch | cores: GPU proc / fronts / clients / machine "
-        "| non-200 |"
+        "| GC ms/s: GPU proc / fronts | non-200 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
         print(
@@ -511,7 +518,8 @@ def main() -> None:
             f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
             f"{r['encode_ms_per_batch']:.1f} | {r.get('gpu_process_cores', nan):.1f} / "
             f"{r.get('fronts_cores', nan):.1f} / {r['client_cores']:.1f} / "
-            f"{r.get('machine_cores', nan):.1f} | {bad or '-'} |"
+            f"{r.get('machine_cores', nan):.1f} | {r.get('gc_gpu_ms_per_s', nan):.1f} / "
+            f"{r.get('gc_fronts_ms_per_s', nan):.1f} | {bad or '-'} |"
         )
     ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
     print(

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,14 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="4xx"} 2.0' in metrics
     assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
     assert metrics.count("# TYPE featpool_http_requests_total counter") == 1
+    # Each process froze its start-up objects (app/interpreter.py) and counts its collector
+    # pauses: the GPU process's own series, and the fronts' summed under their own name.
+    log = (sock.parent / "server.log").read_text()
+    frozen = [int(n) for n in re.findall(r"gc.freeze: (\d+) start-up objects", log)]
+    assert len(frozen) == 3 and min(frozen) > 10_000, frozen  # the GPU process, two fronts
+    for name in ("featpool_gc_pause_seconds_total", "featpool_front_gc_pause_seconds_total"):
+        assert metrics.count(f"# TYPE {name} counter") == 1
+        assert re.search(rf'^{name}{{generation="2"}} ', metrics, re.M), name
 
     # Content-addressed features through a front: ids and reuse travel on the job channel.
     cat, dog = image_bytes("PNG", seed=5), image_bytes("PNG", seed=6)
