@@ -70,6 +70,7 @@ class Batcher(Generic[T, R]):
         self._discard = discard
         self._on_batch = on_batch
         self._queue: asyncio.Queue[_Item[T, R]] = asyncio.Queue()
+        self._full = asyncio.Event()  # set by submit once a whole batch is queued
         self._slots = asyncio.Semaphore(in_flight)  # batches gathered but not yet finished
         self._turn = asyncio.Lock()  # batches run one after another, in order
         # One thread runs batches, in order: the encoder and its CUDA stream are not shared.
@@ -114,7 +115,11 @@ class Batcher(Generic[T, R]):
         items = [_Item[T, R](v, loop.create_future()) for v in values]
         for item in items:
             self._queue.put_nowait(item)
+        if self._queue.qsize() >= self.max_batch_size - 1:  # with the one _gather holds
+            self._full.set()
         try:
+            if len(items) == 1:
+                return [await items[0].future]
             return list(await asyncio.gather(*(i.future for i in items)))
         except BaseException as e:
             for i in items:  # our other items: drop them if still queued, discard if done
@@ -142,18 +147,16 @@ class Batcher(Generic[T, R]):
 
     async def _gather(self) -> list[_Item[T, R]]:
         first = await self._queue.get()
+        # Sleep until the batch is full or its first item has waited long enough: one wake-up
+        # per batch (waking for each item as it came cost the event loop a turn per image).
+        self._full.clear()
+        timeout = first.enqueued + self.max_wait_s - time.perf_counter()
+        if timeout > 0 and self._queue.qsize() < self.max_batch_size - 1:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._full.wait(), timeout)
         batch = [first]
-        deadline = first.enqueued + self.max_wait_s
-        while len(batch) < self.max_batch_size:
-            timeout = deadline - time.perf_counter()
-            if timeout <= 0:
-                while len(batch) < self.max_batch_size and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                break
-            try:
-                batch.append(await asyncio.wait_for(self._queue.get(), timeout))
-            except TimeoutError:
-                break
+        while len(batch) < self.max_batch_size and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
         return batch
 
     async def _run(self, batch: list[_Item[T, R]]) -> None:
