@@ -41,7 +41,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,13 +83,16 @@ def channel_paths(socket_path: Path) -> tuple[Path, Path]:
     )
 
 
+def _frame(header: dict[str, Any], payload: Sequence[ImageData] = ()) -> list[ImageData]:
+    raw = json.dumps({**header, "payload": sum(len(p) for p in payload)}).encode()
+    return [_LEN.pack(len(raw)) + raw, *payload]
+
+
 def _put(
     writer: asyncio.StreamWriter, header: dict[str, Any], payload: Sequence[ImageData] = ()
 ) -> None:
-    raw = json.dumps({**header, "payload": sum(len(p) for p in payload)}).encode()
-    writer.write(_LEN.pack(len(raw)) + raw)
-    for p in payload:
-        writer.write(p)
+    for part in _frame(header, payload):
+        writer.write(part)
 
 
 async def _write(
@@ -217,6 +220,43 @@ def _image_data(
     return out
 
 
+class _Replies:
+    """The answers on one front's connection. Those made in one turn of the event loop go out
+    together at its end, in one write (a batch's jobs are answered in the same turn: one
+    system call instead of one each, and no lock or drain per answer). A front that stops
+    reading holds back only its own jobs (they wait for the buffer to drain past the
+    transport's high-water mark). Answers that cannot be written give their leases back."""
+
+    def __init__(self, writer: asyncio.StreamWriter, discard: Callable[[str], None]) -> None:
+        self._writer = writer
+        self._discard = discard
+        self._parts: list[ImageData] = []
+        self._leases: list[str] = []
+
+    async def send(
+        self, header: dict[str, Any], payload: Sequence[ImageData], leases: Sequence[str]
+    ) -> None:
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._parts += _frame(header, payload)
+        self._leases += leases
+        transport = self._writer.transport
+        if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            with contextlib.suppress(ConnectionError):  # then _flush gives the leases back
+                await self._writer.drain()
+
+    def _flush(self) -> None:
+        parts, leases = self._parts, self._leases
+        self._parts, self._leases = [], []
+        try:
+            if self._writer.is_closing():  # uvloop raises RuntimeError on a write then
+                raise ConnectionResetError("the front went away")
+            self._writer.writelines(parts)
+        except (ConnectionError, RuntimeError):  # its leases must not wait for their TTL
+            for lease_id in leases:
+                self._discard(lease_id)
+
+
 class JobServer:
     """Runs in the GPU process: answers the fronts' jobs with the in-process engine client,
     encode jobs under a permit of the process's one ``Admission``."""
@@ -304,7 +344,7 @@ class JobServer:
         writer: asyncio.StreamWriter,
         arena: ArenaView | None,
     ) -> None:
-        lock = asyncio.Lock()
+        replies = _Replies(writer, self._client.discard)
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
@@ -318,9 +358,9 @@ class JobServer:
                     # it mapped until the job lets go of them.
                     datas = _image_data(header, payload, arena)
                 except ArenaError as e:
-                    await self._reply(writer, lock, header, *_error("invalid_request", str(e)))
+                    await self._reply(replies, header, *_error("invalid_request", str(e)))
                     continue
-                task = asyncio.create_task(self._job(header, datas, writer, lock))
+                task = asyncio.create_task(self._job(header, datas, replies))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
@@ -330,8 +370,7 @@ class JobServer:
         self,
         header: dict[str, Any],
         datas: list[memoryview],
-        writer: asyncio.StreamWriter,
-        lock: asyncio.Lock,
+        replies: _Replies,
     ) -> None:
         headers: dict[str, str] = {}
         out = b""
@@ -346,12 +385,11 @@ class JobServer:
         except Exception as e:  # answered, logged, and the channel lives on
             log.exception("%s job failed", header.get("op"))
             status, body = _error("internal_error", f"{type(e).__name__}: {e}")
-        await self._reply(writer, lock, header, status, body, headers=headers, out=out)
+        await self._reply(replies, header, status, body, headers=headers, out=out)
 
     async def _reply(
         self,
-        writer: asyncio.StreamWriter,
-        lock: asyncio.Lock,
+        replies: _Replies,
         header: dict[str, Any],
         status: int,
         body: dict[str, Any],
@@ -359,18 +397,16 @@ class JobServer:
         headers: dict[str, str] | None = None,
         out: bytes = b"",
     ) -> None:
-        async with lock:
-            try:
-                if writer.is_closing():  # uvloop raises RuntimeError on a write then
-                    raise ConnectionResetError("the front went away")
-                await _write(
-                    writer,
-                    {"id": header["id"], "status": status, "body": body, "headers": headers or {}},
-                    [out] if out else (),
-                )
-            except ConnectionError:  # the front went away: its leases must not wait for TTL
-                for item in body.get("items", []) if header.get("op") == "encode" else []:
-                    self._client.discard(item["lease_id"])
+        leases = (
+            [item["lease_id"] for item in body.get("items", [])]
+            if header.get("op") == "encode"
+            else []
+        )
+        await replies.send(
+            {"id": header["id"], "status": status, "body": body, "headers": headers or {}},
+            [out] if out else (),
+            leases,
+        )
 
     async def _answer(
         self, h: dict[str, Any], datas: list[memoryview]
