@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     # The batch thread launches GPU work and publishes leases while the event loop parses HTTP.
     # A thread that gave up the GIL (in a CUDA driver call, say) waits up to the switch interval
     # to get it back from a busy thread: 5 ms by default, longer than a whole batch's forward.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     if settings.http_workers == 0:
         uvicorn.run(
             create_app(settings, freeze_gc=settings.gc_freeze),

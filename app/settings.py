@@ -215,6 +215,15 @@ class Settings(BaseSettings):
     )
 
     # Logs
+    gil_switch_interval_ms: float = Field(
+        0.5,
+        gt=0,
+        le=100,
+        description="the GPU process's interpreter switch interval (sys.setswitchinterval): "
+        "how long a thread that gave up the interpreter lock in native code (a CUDA call, a "
+        "JPEG decode, a CUDA tensor's deallocation) may wait to get it back from a busy thread; "
+        "Python's own default is 5 ms",
+    )
     gc_freeze: bool = Field(
         True,
         description="after start-up, move every object to the garbage collector's permanent "

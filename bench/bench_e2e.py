@@ -188,9 +188,13 @@ def scrape(base: str) -> dict[str, float]:
         for kind in ("sum", "count"):
             m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
             out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
-    for key, name in (("gpu", "gc_pause"), ("front", "front_gc_pause")):  # all generations
-        found = re.findall(rf"^featpool_{name}_seconds_total{{.*}} (\S+)$", text, re.M)
-        out[f"gc_{key}_s"] = sum(float(v) for v in found)
+    for key, name in (("gpu", "gc_pause"), ("front", "front_gc_pause")):
+        found = re.findall(
+            rf'^featpool_{name}_seconds_total{{generation="(\d)"}} (\S+)$', text, re.M
+        )
+        for gen, v in found:
+            out[f"gc_{key}_gen{gen}_s"] = float(v)
+        out[f"gc_{key}_s"] = sum(float(v) for _, v in found)
     out["t"] = time.monotonic()
     return out
 
@@ -283,6 +287,9 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         # ms of collector pauses per second of wall time (fronts: summed over them)
         "gc_gpu_ms_per_s": d["gc_gpu_s"] / d["t"] * 1e3,
         "gc_fronts_ms_per_s": d["gc_front_s"] / d["t"] * 1e3,
+        "gc_gpu_ms_per_s_by_generation": [
+            d.get(f"gc_gpu_gen{g}_s", 0.0) / d["t"] * 1e3 for g in range(3)
+        ],
     }
 
 

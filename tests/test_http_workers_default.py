@@ -71,3 +71,20 @@ def test_default_serves_http_in_process_without_cuda(
 def test_an_explicit_count_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     s, fronts = _run_cli(monkeypatch, tmp_path, cores=16, cuda=True, flags=["--http-workers", "3"])
     assert s.http_workers == 3 and fronts == 3
+
+
+def test_the_gpu_process_sets_its_switch_interval(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        _run_cli(monkeypatch, tmp_path, cores=4, cuda=True, flags=[])
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # the default, 0.5 ms
+        _run_cli(
+            monkeypatch, tmp_path, cores=4, cuda=True, flags=["--gil-switch-interval-ms", "0.1"]
+        )
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
