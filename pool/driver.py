@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pool.errors import CudaError, CudaUnavailable
 
 NO_DRIVER_HINT = "use --transport host_shm"
+BATCH_MEM_OPS = 255  # cuStreamBatchMemOp: "count must be less than 256"
 
 
 class HandleType(enum.IntFlag):
@@ -71,6 +73,7 @@ class DriverAPI(Protocol):
     def host_device_pointer(self, addr: int) -> int: ...
     def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
     def stream_write_value32(self, stream: int, addr: int, value: int) -> None: ...
+    def stream_write_values32(self, stream: int, writes: Sequence[tuple[int, int]]) -> None: ...
     def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None: ...
 
 
@@ -330,6 +333,24 @@ class Driver:
         err = self.cu.cuStreamWriteValue32(stream, addr, value, 0)[0]
         if err:
             self._check("cuStreamWriteValue32", (err,))
+
+    def stream_write_values32(self, stream: int, writes: Sequence[tuple[int, int]]) -> None:
+        """``stream_write_value32`` for each (address, value), in order, in one driver call
+        per 255 (cuStreamBatchMemOp): a batch's ready words without a call, and a wait for
+        the interpreter lock after it, per word. Each write keeps the default memory barrier."""
+        self._current()
+        cu = self.cu
+        op = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+        for at in range(0, len(writes), BATCH_MEM_OPS):
+            params = []
+            for addr, value in writes[at : at + BATCH_MEM_OPS]:
+                p = cu.CUstreamBatchMemOpParams()
+                w = p.writeValue
+                w.operation, w.address, w.value, w.flags = op, addr, value, 0
+                params.append(p)
+            err = cu.cuStreamBatchMemOp(stream, len(params), params, 0)[0]
+            if err:
+                self._check("cuStreamBatchMemOp", (err,))
 
     def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None:
         # GEQ, never EQ: a slot's generations only grow, and EQ would hang forever on a word

@@ -14,6 +14,7 @@ import os
 import threading
 import types
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -246,11 +247,21 @@ class FakeDriver:
         self._call("stream_write_value32", stream, addr, value)
         for hook in self.on_write:
             hook()
+        self._write_word(addr, value, "cuStreamWriteValue32")
+
+    def _write_word(self, addr: int, value: int, call: str) -> None:
         host = self._host(addr)
         for a, size in self.registered.items():
             if a <= host < a + size and a in self.read_only_host:  # the device refuses it
-                raise CudaError("cuStreamWriteValue32", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+                raise CudaError(call, 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
         ctypes.c_uint32.from_address(host).value = value
+
+    def stream_write_values32(self, stream: int, writes: Sequence[tuple[int, int]]) -> None:
+        self._call("stream_write_values32", stream, list(writes))
+        for addr, value in writes:  # in order, each like stream_write_value32
+            for hook in self.on_write:
+                hook()
+            self._write_word(addr, value, "cuStreamBatchMemOp")
 
     def stream_wait_value32_geq(self, stream: int, addr: int, value: int) -> None:
         self._call("stream_wait_value32_geq", stream, addr, value)
@@ -646,7 +657,10 @@ def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
         n0 = len(drv.calls)
         leases = pool.put_many(ts)
         published = [c[0] for c in drv.calls[n0:]]
-        assert published == ["stream_write_value32"] * 6  # one copy launch, through torch
+        # one copy launch (through torch), then the six ready words in one call
+        assert published == ["stream_write_values32"]
+        words = drv.calls[-1][2]
+        assert [v for _, v in words] == [lease.generation for lease in leases]  # type: ignore[union-attr]
         assert seen == [True] * 6
         for lease, t in zip(leases, ts, strict=True):
             assert not isinstance(lease, BaseException)
@@ -655,6 +669,41 @@ def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
     finally:
         pool.close()
     assert_nothing_left(drv)
+
+
+def test_batched_word_writes_are_cuda_batch_mem_ops_of_at_most_255() -> None:
+    """The real Driver's stream_write_values32, against cuda-bindings' own parameter type:
+    each write a WRITE_VALUE_32 op with its address, value and the default (fenced) flags, in
+    order, 255 per cuStreamBatchMemOp call at most."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    ok = cu.CUresult.CUDA_SUCCESS
+    batches: list[tuple[int, list[Any]]] = []
+    fake_cu = types.SimpleNamespace(
+        CUresult=cu.CUresult,
+        CUstreamBatchMemOpType=cu.CUstreamBatchMemOpType,
+        CUstreamBatchMemOpParams=cu.CUstreamBatchMemOpParams,
+        cuDeviceGet=lambda n: (ok, 0),
+        cuDevicePrimaryCtxRetain=lambda dev: (ok, 0xC0),
+        cuCtxSetCurrent=lambda ctx: (ok,),
+        cuStreamBatchMemOp=lambda s, n, ps, f: (batches.append((n, list(ps))), (ok,))[1],
+    )
+    d = Driver(fake_cu)
+    d.use_device(0)
+    writes = [(0x10000 + 64 * i, 1000 + i) for i in range(300)]
+    d.stream_write_values32(0, writes)
+    assert [n for n, _ in batches] == [255, 45]
+    got = [
+        (int(p.writeValue.address), int(p.writeValue.value), int(p.writeValue.flags))
+        for _, ps in batches
+        for p in ps
+    ]
+    assert got == [(a, v, 0) for a, v in writes]
+    assert {p.operation for _, ps in batches for p in ps} == {
+        cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+    }
+    fake_cu.cuStreamBatchMemOp = lambda s, n, ps, f: (cu.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+    with pytest.raises(CudaError, match="cuStreamBatchMemOp failed: CUDA_ERROR_NOT_SUPPORTED"):
+        d.stream_write_values32(0, writes[:3])
 
 
 _DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.float64]

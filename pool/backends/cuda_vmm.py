@@ -382,17 +382,24 @@ class CudaVmmBackend:
         self._write_ready(stream, ctrl, slot, gen)
 
     def _write_ready(self, stream: int, ctrl: ControlBlock, slot: int, gen: int) -> None:
-        word = self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address)
-        self.driver.stream_write_value32(stream, word, gen)
-        if self.remote is not None:  # the same word for consumers on other nodes
-            self.driver.stream_write_value32(stream, self.remote.word(slot, READY_OFFSET), gen)
+        for word, value in self._ready_words(ctrl, slot, gen):
+            self.driver.stream_write_value32(stream, word, value)
+
+    def _ready_words(self, ctrl: ControlBlock, slot: int, gen: int) -> list[tuple[int, int]]:
+        """(device address, value) of a slot's ready word, and of its copy for consumers on
+        other nodes where there are any."""
+        words = [(self._ctrl_dptr + (ctrl.slot_address(slot, READY_OFFSET) - ctrl.address), gen)]
+        if self.remote is not None:
+            words.append((self.remote.word(slot, READY_OFFSET), gen))
+        return words
 
     def publish_many(
         self, items: Sequence[tuple[Extent, torch.Tensor, int, int]], ctrl: ControlBlock
     ) -> None:
-        """``publish`` for a batch: one multi-tensor copy launch for every tensor, then each
-        slot's ready word (fenced, as in ``publish``) on the same stream. On a busy process
-        each driver call can wait for the GIL; this makes one launch of the B copies."""
+        """``publish`` for a batch: one multi-tensor copy launch for every tensor, then every
+        slot's ready word (fenced, as in ``publish``) in one batched driver call, on the same
+        stream. On a busy process each call that gives up the interpreter lock waits to take it
+        back: this makes two calls of the B copies and B words."""
         if len(items) < 4:  # too few to be worth a multi-tensor launch
             for extent, tensor, slot, gen in items:
                 self.publish(extent, tensor, ctrl, slot, gen)
@@ -407,9 +414,9 @@ class CudaVmmBackend:
             self.bind_control(ctrl)
         dsts = [self.view(e, t.dtype, tuple(t.shape)) for e, t, _, _ in items]
         torch._foreach_copy_(dsts, [t for _, t, _, _ in items])
-        stream = self.rt.current_stream()
-        for _, _, slot, gen in items:
-            self._write_ready(stream, ctrl, slot, gen)
+        # After the copies on the same stream, every ready word in one driver call.
+        words = [w for _, _, slot, gen in items for w in self._ready_words(ctrl, slot, gen)]
+        self.driver.stream_write_values32(self.rt.current_stream(), words)
 
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         m = self._slabs[extent.slab]

@@ -337,3 +337,28 @@ def test_views_outlive_close_on_the_gpu_tier(producer: Producer, sock: Path) -> 
         torch.cuda.synchronize()
     finally:
         client.close()
+
+
+def test_put_many_writes_every_ready_word_after_its_bytes() -> None:
+    """A batch of 300 leases (two cuStreamBatchMemOp calls of ready words, 255 + 45) behind a
+    GPU sleep: no word is set before the copies ran, then each slot's word is its lease's
+    generation and each lease holds its own tensor."""
+    from pool.backends.cuda_vmm import CudaVmmBackend
+    from pool.featurepool import FeaturePool
+
+    backend = CudaVmmBackend.create(0, 64 << 20, 32 << 20)
+    pool = FeaturePool([backend], max_leases=512, policy="reject")
+    try:
+        ts = [torch.full((3, 5), float(i), device="cuda") for i in range(300)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the copies and words
+        leases = pool.put_many(ts)
+        assert all(not isinstance(lease, BaseException) for lease in leases)
+        early = [pool.ctrl.ready(lease.slot) for lease in leases]  # type: ignore[union-attr]
+        torch.cuda.synchronize()
+        assert early == [0] * 300  # the words wait on the stream behind the sleep
+        for lease, t in zip(leases, ts, strict=True):
+            assert pool.ctrl.ready(lease.slot) == lease.generation  # type: ignore[union-attr]
+            assert torch.equal(pool.read(lease.id).cuda(), t)  # type: ignore[union-attr]
+    finally:
+        pool.close()
