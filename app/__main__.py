@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     if settings.http_workers == 0:
         uvicorn.run(
-            create_app(settings, freeze_gc=settings.gc_freeze),
+            create_app(settings, tune_gc=True),
             host=settings.host,
             port=settings.port,
             http=http_protocol(settings),
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     core_http.parent.mkdir(parents=True, exist_ok=True)
     # A fresh directory each start: the fronts' request metrics, summed by this process.
     front_metrics = Path(tempfile.mkdtemp(prefix="featpool-front-metrics-"))
-    app = create_app(settings, front_metrics_dir=front_metrics, freeze_gc=settings.gc_freeze)
+    app = create_app(settings, front_metrics_dir=front_metrics, tune_gc=True)
     holder = _claim_port(settings.host, settings.port)
     env = {
         **os.environ,

@@ -27,7 +27,7 @@ from app import errors, logs
 from app.admission import entrance_state
 from app.errors import ApiError
 from app.http_protocol import http_protocol
-from app.interpreter import GcClock, freeze_startup_objects
+from app.interpreter import GcClock, tune_collector
 from app.jobs import JobClient, channel_paths
 from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
@@ -80,10 +80,9 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gc_clock = GcClock(metrics.front_gc_pause)
         gc_clock.install()
-        if settings.gc_freeze:  # a front is a process of its own (python -m app.front)
-            log.info(
-                "front %d: gc.freeze: %d start-up objects", os.getpid(), freeze_startup_objects()
-            )
+        # A front is a process of its own (python -m app.front).
+        frozen = tune_collector(settings.gc_freeze, settings.gc_thresholds)
+        log.info("front %d: gc: %d start-up objects frozen", os.getpid(), frozen)
         try:
             yield
         finally:

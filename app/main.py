@@ -3,6 +3,7 @@ batcher before the first request and tears them down in reverse."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import platform
 import shutil
@@ -19,7 +20,7 @@ from app.admission import entrance_state
 from app.encoders.base import Encoder
 from app.engine import Engine
 from app.inprocess import InProcessEngineClient
-from app.interpreter import GcClock, freeze_startup_objects
+from app.interpreter import GcClock, tune_collector
 from app.jobs import JobServer, channel_paths
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
@@ -42,12 +43,12 @@ def create_app(
     *,
     encoder: Encoder | None = None,
     front_metrics_dir: Path | None = None,
-    freeze_gc: bool = False,
+    tune_gc: bool = False,
 ) -> FastAPI:
     """Build the service. ``encoder`` replaces the configured one (tests pass a fake);
     ``front_metrics_dir`` is where HTTP front processes keep their request metrics;
-    ``freeze_gc``: freeze the process's objects once started (``python -m app`` owns the
-    process; tests that build many apps in one do not)."""
+    ``tune_gc``: once started, apply ``gc_freeze`` and ``gc_thresholds`` to the process
+    (``python -m app`` owns the process; tests that build many apps in one do not)."""
     settings = settings or Settings()
     metrics = Metrics(front_metrics_dir)
     engine = Engine(settings, metrics, encoder)
@@ -96,10 +97,9 @@ def create_app(
             await jobs.start()
         gc_clock = GcClock(metrics.gc_pause)
         gc_clock.install()
-        if freeze_gc:
-            log.info(
-                "gc.freeze: %d start-up objects left out of collections", freeze_startup_objects()
-            )
+        if tune_gc:
+            frozen = tune_collector(settings.gc_freeze, settings.gc_thresholds)
+            log.info("gc: %d start-up objects frozen, thresholds %s", frozen, gc.get_threshold())
         log_startup(settings, engine)
         try:
             yield

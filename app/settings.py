@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pool.descriptor import MIN_TTL_S
@@ -229,6 +229,13 @@ class Settings(BaseSettings):
         description="after start-up, move every object to the garbage collector's permanent "
         "generation (gc.freeze) in the processes of `python -m app`, so that collections while "
         "serving walk only what serving made (app/interpreter.py)",
+    )
+    gc_thresholds: list[NonNegativeInt] = Field(
+        default_factory=lambda: [10_000, 10, 100],
+        min_length=3,
+        max_length=3,
+        description="the garbage collector's thresholds (gc.set_threshold) in the processes of "
+        "`python -m app` once started; Python's default is [700, 10, 10] (app/interpreter.py)",
     )
     log_level: str = Field("INFO", description="logging level")
     log_json: bool = Field(False, description="one JSON object per log line")

@@ -7,10 +7,11 @@ import gc
 import weakref
 from collections.abc import Callable
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter
 
-from app.interpreter import GcClock, freeze_startup_objects
+from app.interpreter import GcClock, freeze_startup_objects, tune_collector
 from tests.test_metrics import scrape, value
 
 
@@ -58,3 +59,27 @@ def test_the_service_exports_its_collector_pauses(make_client: Callable[..., Tes
     gc.collect()
     after = value(scrape(c), "featpool_gc_pause_seconds_total", generation="2")
     assert after > before
+
+
+def test_tune_collector_sets_the_thresholds_and_freezes_only_when_asked() -> None:
+    before = gc.get_threshold()
+    try:
+        assert tune_collector(False, [10_000, 10, 100]) == 0
+        assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == (10_000, 10, 100)
+        assert tune_collector(True, [700, 10, 10]) > 0
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_thresholds_are_three_counts_not_below_zero() -> None:
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    assert Settings().gc_thresholds == [10_000, 10, 100]
+    for bad in ([1, 2], [700, -1, 10], [1, 2, 3, 4]):
+        with pytest.raises(ValidationError):
+            Settings(gc_thresholds=bad)

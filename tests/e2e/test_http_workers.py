@@ -134,8 +134,9 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     # Each process froze its start-up objects (app/interpreter.py) and counts its collector
     # pauses: the GPU process's own series, and the fronts' summed under their own name.
     log = (sock.parent / "server.log").read_text()
-    frozen = [int(n) for n in re.findall(r"gc.freeze: (\d+) start-up objects", log)]
+    frozen = [int(n) for n in re.findall(r"gc: (\d+) start-up objects frozen", log)]
     assert len(frozen) == 3 and min(frozen) > 10_000, frozen  # the GPU process, two fronts
+    assert "thresholds (10000, 10, 100)" in log
     for name in ("featpool_gc_pause_seconds_total", "featpool_front_gc_pause_seconds_total"):
         assert metrics.count(f"# TYPE {name} counter") == 1
         assert re.search(rf'^{name}{{generation="2"}} ', metrics, re.M), name
