@@ -41,10 +41,13 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Histogram
 
 from app.admission import Admission
 from app.engine_client import (
@@ -261,10 +264,17 @@ class JobServer:
     """Runs in the GPU process: answers the fronts' jobs with the in-process engine client,
     encode jobs under a permit of the process's one ``Admission``."""
 
-    def __init__(self, path: Path, client: InProcessEngineClient, admission: Admission) -> None:
+    def __init__(
+        self,
+        path: Path,
+        client: InProcessEngineClient,
+        admission: Admission,
+        job_seconds: Histogram | None = None,
+    ) -> None:
         self.path = path
         self._client = client
         self._admission = admission
+        self._job_seconds = job_seconds  # featpool_job_duration_seconds: encode jobs
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -360,7 +370,7 @@ class JobServer:
                 except ArenaError as e:
                     await self._reply(replies, header, *_error("invalid_request", str(e)))
                     continue
-                task = asyncio.create_task(self._job(header, datas, replies))
+                task = asyncio.create_task(self._job(header, datas, replies, time.perf_counter()))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
@@ -371,6 +381,7 @@ class JobServer:
         header: dict[str, Any],
         datas: list[memoryview],
         replies: _Replies,
+        started: float,
     ) -> None:
         headers: dict[str, str] = {}
         out = b""
@@ -386,6 +397,8 @@ class JobServer:
             log.exception("%s job failed", header.get("op"))
             status, body = _error("internal_error", f"{type(e).__name__}: {e}")
         await self._reply(replies, header, status, body, headers=headers, out=out)
+        if self._job_seconds is not None and header.get("op") == "encode":
+            self._job_seconds.observe(time.perf_counter() - started)
 
     async def _reply(
         self,
@@ -563,6 +576,7 @@ class JobClient(EngineClient):
     ) -> tuple[dict[str, Any], bytes]:
         """Send one job and wait for its answer; an error answer is raised as ApiError. With
         ``arena``, the payload goes through the connection's arena when it has room."""
+        started = time.perf_counter()
         conn = await self._connection()
         job = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -582,6 +596,8 @@ class JobClient(EngineClient):
                 except ConnectionError as e:
                     raise ApiError("not_ready", f"the GPU process went away ({e})") from e
             status, body, headers, out = await fut
+            if self._metrics is not None and header.get("op") == "encode":
+                self._metrics.front_job_seconds.observe(time.perf_counter() - started)
         finally:
             # Cancelled (the client hung up): the answer, when it comes, is released unread.
             conn.waiting.pop(job, None)

@@ -89,7 +89,12 @@ def create_app(
         # With --http-workers, front processes send their engine calls over this channel;
         # encode jobs take a permit of the same Admission as this process's own routes.
         jobs = (
-            JobServer(channel_paths(settings.socket_path)[0], client, app.state.admission)
+            JobServer(
+                channel_paths(settings.socket_path)[0],
+                client,
+                app.state.admission,
+                metrics.job_seconds,
+            )
             if settings.http_workers > 0
             else None
         )

@@ -200,6 +200,15 @@ class HttpMetrics:
             ["path"],
             registry=r,
         )
+        # Only fronts observe it: an encode job from sending it to the GPU process to its
+        # answer (with featpool_job_duration_seconds: how long the job channel itself took).
+        self.front_job_seconds = Histogram(
+            "featpool_front_job_duration_seconds",
+            "Encode jobs as a front sees them: from sending the job to the GPU process until "
+            "its answer arrives",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Collector pauses of the front processes, summed (app/interpreter.py).
         self.front_gc_pause = Counter(
             "featpool_front_gc_pause_seconds",
@@ -233,6 +242,13 @@ class Metrics(HttpMetrics):
             registry=r,
         )
         self.ready = Gauge("featpool_ready", "1 when the service takes requests", registry=r)
+        self.job_seconds = Histogram(
+            "featpool_job_duration_seconds",
+            "Encode jobs from the fronts in this (the GPU) process: from reading the job's frame "
+            "to handing its answer to the connection (queue, decode, encode and publish included)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.gc_pause = Counter(
             "featpool_gc_pause_seconds",
             "Time this (the GPU) process spent in garbage collections, holding the interpreter "

@@ -184,6 +184,8 @@ def scrape(base: str) -> dict[str, float]:
         "encode_duration_seconds",
         "batch_size",
         "publish_duration_seconds",
+        "job_duration_seconds",
+        "front_job_duration_seconds",
     ):
         for kind in ("sum", "count"):
             m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
@@ -283,6 +285,9 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         "encode_ms_per_batch": mean("encode_duration_seconds", 1e3),
         "publish_us": mean("publish_duration_seconds", 1e6),
         "mean_batch": mean("batch_size"),
+        # an encode job as the fronts see it (sent -> answered) and inside the GPU process
+        "front_job_ms": mean("front_job_duration_seconds", 1e3),
+        "gpu_job_ms": mean("job_duration_seconds", 1e3),
         "batches": d["batch_size_count"],
         # ms of collector pauses per second of wall time (fronts: summed over them)
         "gc_gpu_ms_per_s": d["gc_gpu_s"] / d["t"] * 1e3,
@@ -514,9 +519,9 @@ def main() -> None:
     print(
         "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
         "decode ms | queue ms | encode ms/batch | cores: GPU proc / fronts / clients / machine "
-        "| GC ms/s: GPU proc / fronts | non-200 |"
+        "| GC ms/s: GPU proc / fronts | job ms: front / GPU proc | non-200 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
         print(
@@ -526,7 +531,8 @@ def main() -> None:
             f"{r['encode_ms_per_batch']:.1f} | {r.get('gpu_process_cores', nan):.1f} / "
             f"{r.get('fronts_cores', nan):.1f} / {r['client_cores']:.1f} / "
             f"{r.get('machine_cores', nan):.1f} | {r.get('gc_gpu_ms_per_s', nan):.1f} / "
-            f"{r.get('gc_fronts_ms_per_s', nan):.1f} | {bad or '-'} |"
+            f"{r.get('gc_fronts_ms_per_s', nan):.1f} | {r.get('front_job_ms', nan):.1f} / "
+            f"{r.get('gpu_job_ms', nan):.1f} | {bad or '-'} |"
         )
     ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
     print(

@@ -127,10 +127,26 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     metrics = httpx.get(f"{url}/metrics").text
     assert 'featpool_leases_released_total{reason="ack"} 2.0' in metrics
     assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="2xx"} 1.0' in metrics
-    # The 400 came from the GPU process, the 413 from a front: both are counted, once.
+    # The 400 (not an image, seen at the header) and the 413 were answered by a front: counted once.
     assert 'featpool_http_requests_total{endpoint="/v1/encode",status_class="4xx"} 2.0' in metrics
     assert 'featpool_rejected_total{reason="payload_too_large"} 1.0' in metrics
     assert metrics.count("# TYPE featpool_http_requests_total counter") == 1
+    # The one encode job (the 400 and the 413 were refused in a front, at the header and the
+    # body size), timed on each side of the job channel: a front's view includes the GPU
+    # process's.
+    sums = {
+        m[0]: float(m[1])
+        for m in re.findall(
+            r"^(featpool_\w*job_duration_seconds_(?:count|sum)) (\S+)$", metrics, re.M
+        )
+    }
+    assert sums["featpool_job_duration_seconds_count"] == 1
+    assert sums["featpool_front_job_duration_seconds_count"] == 1
+    assert (
+        sums["featpool_front_job_duration_seconds_sum"]
+        >= sums["featpool_job_duration_seconds_sum"]
+        > 0
+    )
     # Each process froze its start-up objects (app/interpreter.py) and counts its collector
     # pauses: the GPU process's own series, and the fronts' summed under their own name.
     log = (sock.parent / "server.log").read_text()
