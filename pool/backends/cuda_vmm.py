@@ -3,9 +3,10 @@ FABRIC handles (other nodes of an NVLink domain), mapped read-only by consumers.
 
 Producer: ``CudaVmmBackend.create(...)``. ``publish`` copies into a slice of a slab on the
 current torch stream, then writes the slot's ready word with cuStreamWriteValue32 on the same
-stream; the host never waits. Consumer: ``CudaConsumer`` (used by ``pool.client``) imports the
-slab FDs, maps them read-only, waits on ready words with cuStreamWaitValue32 (GEQ) and writes
-its own ack words with cuStreamWriteValue32, on the consumer's current stream.
+stream (``publish_many``: a batch's words in one cuStreamBatchMemOp); the host never waits.
+Consumer: ``CudaConsumer`` (used by ``pool.client``) imports the slab FDs, maps them
+read-only, waits on ready words with cuStreamWaitValue32 (GEQ) and writes its own ack words
+with cuStreamWriteValue32, on the consumer's current stream.
 
 Control words: the control block is a memfd in host memory. The producer registers it with
 cuMemHostRegister (DEVICEMAP | PORTABLE) so its streams write ready words; a consumer maps it
