@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
+from pydantic import BaseModel
 
 from app.admission import Admission
 from app.engine_client import (
@@ -86,8 +87,15 @@ def channel_paths(socket_path: Path) -> tuple[Path, Path]:
     )
 
 
-def _frame(header: dict[str, Any], payload: Sequence[ImageData] = ()) -> list[ImageData]:
+def _frame(
+    header: dict[str, Any], payload: Sequence[ImageData] = (), body: BaseModel | None = None
+) -> list[ImageData]:
+    """A frame's bytes. ``body``: a model to send as the header's "body", serialised by
+    pydantic straight to JSON (3 us for a one-lease answer on the CPU box, against 10 us for
+    model_dump then json.dumps)."""
     raw = json.dumps({**header, "payload": sum(len(p) for p in payload)}).encode()
+    if body is not None:  # the same JSON object, with "body" last
+        raw = raw[:-1] + b', "body": ' + body.model_dump_json().encode() + b"}"
     return [_LEN.pack(len(raw)) + raw, *payload]
 
 
@@ -237,11 +245,15 @@ class _Replies:
         self._leases: list[str] = []
 
     async def send(
-        self, header: dict[str, Any], payload: Sequence[ImageData], leases: Sequence[str]
+        self,
+        header: dict[str, Any],
+        payload: Sequence[ImageData],
+        leases: Sequence[str],
+        body: BaseModel | None = None,
     ) -> None:
         if not self._parts:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._parts += _frame(header, payload)
+        self._parts += _frame(header, payload, body)
         self._leases += leases
         transport = self._writer.transport
         if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
@@ -405,25 +417,21 @@ class JobServer:
         replies: _Replies,
         header: dict[str, Any],
         status: int,
-        body: dict[str, Any],
+        body: dict[str, Any] | EncodeResponse,
         *,
         headers: dict[str, str] | None = None,
         out: bytes = b"",
     ) -> None:
-        leases = (
-            [item["lease_id"] for item in body.get("items", [])]
-            if header.get("op") == "encode"
-            else []
-        )
-        await replies.send(
-            {"id": header["id"], "status": status, "body": body, "headers": headers or {}},
-            [out] if out else (),
-            leases,
-        )
+        frame = {"id": header["id"], "status": status, "headers": headers or {}}
+        if isinstance(body, EncodeResponse):  # an encode job's answer, serialised by pydantic
+            leases = [item.lease_id for item in body.items]
+            await replies.send(frame, [out] if out else (), leases, body)
+        else:
+            await replies.send({**frame, "body": body}, [out] if out else (), [])
 
     async def _answer(
         self, h: dict[str, Any], datas: list[memoryview]
-    ) -> tuple[dict[str, Any], bytes]:
+    ) -> tuple[dict[str, Any] | EncodeResponse, bytes]:
         c, op = self._client, h.get("op")
         if op == "encode":
             digests = _digests(h.get("digests"), len(datas))
@@ -443,7 +451,7 @@ class JobServer:
                     ids=tuple(None if i is None else str(i) for i in ids) if ids else None,
                 )
                 items = await c.encode(images, options)
-            return EncodeResponse(items=items).model_dump(mode="json"), b""
+            return EncodeResponse(items=items), b""
         if op == "lease":
             return (await c.lease(str(h["lease_id"]))).wire(), b""
         if op in ("features", "lease_features"):
