@@ -678,6 +678,14 @@ def test_batched_word_writes_are_cuda_batch_mem_ops_of_at_most_255() -> None:
     cu = pytest.importorskip("cuda.bindings.driver")
     ok = cu.CUresult.CUDA_SUCCESS
     batches: list[tuple[int, list[Any]]] = []
+
+    def batch_mem_op(stream: int, n: int, ps: list[Any], flags: int) -> tuple[Any]:
+        # What the driver reads, at the call: the params may be reused for the next one.
+        w = [p.writeValue for p in ps]
+        seen = [(int(x.address), int(x.value), int(x.flags), x.operation) for x in w]
+        batches.append((n, seen))
+        return (ok,)
+
     fake_cu = types.SimpleNamespace(
         CUresult=cu.CUresult,
         CUstreamBatchMemOpType=cu.CUstreamBatchMemOpType,
@@ -685,20 +693,16 @@ def test_batched_word_writes_are_cuda_batch_mem_ops_of_at_most_255() -> None:
         cuDeviceGet=lambda n: (ok, 0),
         cuDevicePrimaryCtxRetain=lambda dev: (ok, 0xC0),
         cuCtxSetCurrent=lambda ctx: (ok,),
-        cuStreamBatchMemOp=lambda s, n, ps, f: (batches.append((n, list(ps))), (ok,))[1],
+        cuStreamBatchMemOp=batch_mem_op,
     )
     d = Driver(fake_cu)
     d.use_device(0)
     writes = [(0x10000 + 64 * i, 1000 + i) for i in range(300)]
     d.stream_write_values32(0, writes)
     assert [n for n, _ in batches] == [255, 45]
-    got = [
-        (int(p.writeValue.address), int(p.writeValue.value), int(p.writeValue.flags))
-        for _, ps in batches
-        for p in ps
-    ]
+    got = [(address, value, flags) for _, ops in batches for address, value, flags, _ in ops]
     assert got == [(a, v, 0) for a, v in writes]
-    assert {p.operation for _, ps in batches for p in ps} == {
+    assert {op for _, ops in batches for *_, op in ops} == {
         cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
     }
     fake_cu.cuStreamBatchMemOp = lambda s, n, ps, f: (cu.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
