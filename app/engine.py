@@ -367,10 +367,7 @@ class Engine:
                 for i in todo
             ]
             try:
-                # (None to wait for when nvJPEG takes every image as it is: the common case)
-                for i, done in zip(
-                    todo, await asyncio.gather(*tasks) if tasks else (), strict=True
-                ):
+                for i, done in zip(todo, await asyncio.gather(*tasks), strict=True):
                     jobs[i] = done
             except BaseException:
                 for t in tasks:  # the ones not started yet are dropped from the pool's queue

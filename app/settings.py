@@ -214,7 +214,7 @@ class Settings(BaseSettings):
         "can reuse (LRU); 0 turns the index off",
     )
 
-    # Logs
+    # The interpreter of the processes of `python -m app` (app/interpreter.py)
     gil_switch_interval_ms: float = Field(
         0.5,
         gt=0,
@@ -237,6 +237,8 @@ class Settings(BaseSettings):
         description="the garbage collector's thresholds (gc.set_threshold) in the processes of "
         "`python -m app` once started; Python's default is [700, 10, 10] (app/interpreter.py)",
     )
+
+    # Logs
     log_level: str = Field("INFO", description="logging level")
     log_json: bool = Field(False, description="one JSON object per log line")
 
