@@ -49,10 +49,16 @@ class GcClock:
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self._by_generation[info["generation"]].inc(time.perf_counter() - self._started)
+        # A collection can start anywhere, also a few frames short of the recursion limit (a
+        # deeply nested JSON frame being refused, say): there the pause goes uncounted rather
+        # than out as an error the collector can only print.
+        try:
+            if phase == "start":
+                self._started = time.perf_counter()
+            else:
+                self._by_generation[info["generation"]].inc(time.perf_counter() - self._started)
+        except RecursionError:
+            pass
 
     def install(self) -> None:
         if self not in gc.callbacks:

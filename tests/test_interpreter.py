@@ -4,6 +4,7 @@ start-up is frozen out of later collections."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -36,6 +37,41 @@ def test_gc_clock_adds_each_collections_pause_to_its_generation() -> None:
     gc.collect(2)
     assert counter.labels("2")._value.get() == full  # removed: no longer counting
     assert clock not in gc.callbacks
+
+
+def test_gc_clock_called_near_the_recursion_limit_raises_nothing() -> None:
+    """Where a collection starts a few frames short of the recursion limit, the counter's
+    frames overflow it: the callback swallows that (an error out of a collector callback can
+    only be printed as unraisable; pytest fails the test it lands in)."""
+    counter = Counter("t_gc_deep_seconds", "t", ["generation"], registry=CollectorRegistry())
+    clock = GcClock(counter)
+    called: list[int] = []
+    raised: list[BaseException] = []
+
+    def deep(n: int) -> int:
+        """Recurse to the limit, then call the clock two frames above the deepest one."""
+        try:
+            left = deep(n + 1)
+        except RecursionError:
+            return 2
+        if left == 0:
+            return -1
+        if left == 1:
+            try:
+                clock("start", {"generation": 2})
+                clock("stop", {"generation": 2})  # its counter's frames go past the limit
+            except RecursionError as e:  # (caught here, or the frames above would swallow it)
+                raised.append(e)
+            called.append(n)
+        return left - 1
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(300)
+    try:
+        deep(0)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert called and not raised
 
 
 def test_frozen_objects_are_left_out_of_collections() -> None:
