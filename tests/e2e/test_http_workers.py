@@ -171,12 +171,19 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     assert httpx.post(f"{url}/v1/features/cat/lease").json()["cached"] is True
 
 
-def test_stopping_the_server_stops_the_fronts(
+def test_stopping_the_server_stops_the_fronts_and_removes_their_metrics(
     fronted: tuple[str, Path, subprocess.Popen[bytes]],
 ) -> None:
     _, _, proc = fronted
     fronts = descendants(proc.pid)
     assert fronts
+    environ = Path(f"/proc/{next(iter(front_pids(proc.pid)))}/environ").read_bytes()
+    metrics_dir = Path(
+        dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)[
+            b"PROMETHEUS_MULTIPROC_DIR"
+        ].decode()
+    )
+    assert metrics_dir.is_dir()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 15
@@ -190,6 +197,7 @@ def test_stopping_the_server_stops_the_fronts(
         }
         time.sleep(0.2)
     assert not alive, f"front processes left running: {alive}"
+    assert not metrics_dir.exists(), "the fronts' metrics directory was left behind"
 
 
 def test_connections_are_spread_over_the_fronts(
