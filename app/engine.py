@@ -593,22 +593,28 @@ class Engine:
             i: j.pixels for i, j in enumerate(jobs) if j.pixels is not None
         }
         on_gpu: dict[int, torch.Tensor] = {}
+        parts: list[tuple[list[int], torch.Tensor]] = []  # (jobs, their preprocessed pixels)
         gpu_idx = [i for i, j in enumerate(jobs) if j.pixels is None]
+        in_one_call: list[int] = []
         if gpu_idx:
             t0 = time.perf_counter()
-            on_gpu, by_pillow = self._decode_jpegs(jobs, gpu_idx, size, failed)
-            host.update(by_pillow)
+            whole = self._decode_preprocess(jobs, gpu_idx, size)
+            if whole is not None:
+                in_one_call = gpu_idx
+                parts.append((gpu_idx, whole))
+            else:
+                on_gpu, by_pillow = self._decode_jpegs(jobs, gpu_idx, size, failed)
+                host.update(by_pillow)
             spent = (time.perf_counter() - t0) / len(gpu_idx)
             for _ in gpu_idx:
                 self.metrics.decode_seconds.observe(spent)
-        ok = sorted([*host, *on_gpu])
+        ok = sorted([*host, *on_gpu, *in_one_call])
         if not ok:
             return ok, None, failed
         if self._spec is not None:
             images = [on_gpu[i] if i in on_gpu else self._to_device(host[i]) for i in ok]
             orientations = [jobs[i].orientation if i in on_gpu else 1 for i in ok]
             return ok, self._spec.apply(images, orientations), failed
-        parts: list[tuple[list[int], torch.Tensor]] = []
         if on_gpu:
             g = sorted(on_gpu)
             parts.append(
@@ -625,6 +631,16 @@ class Engine:
             for idx, part in parts:
                 x[torch.tensor([row[i] for i in idx], device=self.device)] = part
         return ok, (x - self._mean) / self._std, failed
+
+    def _decode_preprocess(self, jobs: list[Job], idx: list[int], size: int) -> torch.Tensor | None:
+        """The JPEGs of ``jobs[idx]`` decoded and preprocessed in one call where the decoder
+        has one and the model has no preprocessing of its own; None otherwise, or when the
+        batch fails (``_decode_jpegs`` then decodes image by image)."""
+        assert self.jpeg is not None
+        if self._spec is not None:
+            return None
+        datas = [byte_tensor(jobs[i].jpeg) for i in idx]
+        return self.jpeg.decode_preprocess(datas, [jobs[i].orientation for i in idx], size)
 
     def _decode_jpegs(
         self, jobs: list[Job], idx: list[int], size: int | None, failed: dict[int, BaseException]
@@ -703,27 +719,49 @@ class Engine:
             start = self._event()
             chunks = self._forward_split(x)
             self._track(start, len(ok))
-            any_pooled = any(jobs[i].pooled for i in ok)
-            rows: list[tuple[torch.Tensor | None, torch.Tensor | None] | BaseException] = []
-            for k, chunk in chunks:
-                if isinstance(chunk, BaseException):
-                    rows += [chunk] * k
-                    continue
-                pooled = chunk.float().mean(1) if any_pooled else None
-                rows += [(chunk[r], pooled[r] if pooled is not None else None) for r in range(k)]
         except Exception as e:
             return [self._batch_error(e, "the encoder")] * len(jobs)
-        out: dict[int, tuple[torch.Tensor, ImageGrid | None]] = {}
-        for row, i in enumerate(ok):
-            job, got = jobs[i], rows[row]
-            if isinstance(got, BaseException):
-                results[i] = got
+        first = 0
+        for k, chunk in chunks:
+            rows_of = ok[first : first + k]
+            first += k
+            if isinstance(chunk, BaseException):
+                for i in rows_of:
+                    results[i] = chunk
+            else:
+                self._publish_rows(jobs, rows_of, chunk, encoder.dtype, results)
+        return results
+
+    def _publish_rows(
+        self,
+        jobs: list[Job],
+        idx: list[int],
+        feats: torch.Tensor,
+        dtype: torch.dtype,
+        results: list[Lease | BaseException],
+    ) -> None:
+        """Row r of ``feats`` ([n, T, D]) is the features of ``jobs[idx[r]]``. The jobs that
+        want the same form, dtype and TTL (all, usually) are published as one tensor of rows,
+        not as a tensor per image: on a busy process every torch call from Python, and every
+        tensor freed, waits to take the interpreter lock back."""
+        groups: dict[tuple[bool, torch.dtype, float | None], list[int]] = {}
+        for r, i in enumerate(idx):
+            job = jobs[i]
+            groups.setdefault((job.pooled, job.dtype or dtype, job.ttl_s), []).append(r)
+        for (pooled, to, ttl), rs in groups.items():
+            members = [idx[r] for r in rs]
+            try:
+                x = feats
+                if len(rs) < len(idx):
+                    x = x[torch.tensor(rs, device=x.device)]
+                if pooled:
+                    x = x.float().mean(1)
+                x = x.to(to)
+            except Exception as e:
+                for i in members:
+                    results[i] = self._batch_error(e, "the encoder")
                 continue
-            feats, pooled = got
-            f = pooled if job.pooled and pooled is not None else feats
-            assert f is not None
-            out[i] = (f.to(job.dtype or encoder.dtype), None)
-        return self._publish(jobs, out, results)
+            self._put(members, x, ttl, None, results)
 
     @staticmethod
     def _unpublished(n: int, failed: dict[int, BaseException]) -> list[Lease | BaseException]:
@@ -786,29 +824,39 @@ class Engine:
         """Publish each job's features (and image grid) into the pool. Per TTL (jobs of one
         request share theirs): one put_many each, so the GPU tier copies the whole group with
         one launch."""
-        assert self.pool is not None
         groups: dict[float | None, list[tuple[int, torch.Tensor, ImageGrid | None]]]
         groups = {}
         for i, (f, grid) in out.items():
             groups.setdefault(jobs[i].ttl_s, []).append((i, f, grid))
         for ttl, members in groups.items():
-            t0 = time.perf_counter()
-            try:
-                placed: list[Lease | BaseException] = list(
-                    self.pool.put_many([f for _, f, _ in members], ttl, [g for _, _, g in members])
-                )
-            except ValueError as e:
-                placed = [ApiError("validation_error", str(e))] * len(members)
-            except Exception as e:
-                # put_many has released this group's leases already; the batch's other groups
-                # stay valid and are returned (or discarded by the batcher if their request
-                # failed).
-                placed = [self._batch_error(e, "publishing")] * len(members)
-            per_lease = (time.perf_counter() - t0) / len(members)
-            for (i, _, _), result in zip(members, placed, strict=True):
-                results[i] = result
-                self.metrics.publish_seconds.observe(per_lease)
+            idx = [i for i, _, _ in members]
+            self._put(idx, [f for _, f, _ in members], ttl, [g for _, _, g in members], results)
         return results
+
+    def _put(
+        self,
+        idx: list[int],
+        features: list[torch.Tensor] | torch.Tensor,
+        ttl: float | None,
+        grids: list[ImageGrid | None] | None,
+        results: list[Lease | BaseException],
+    ) -> None:
+        """One ``put_many``: ``features`` (a tensor each, or one tensor of rows) become the
+        leases of ``jobs[idx]``, in ``results``."""
+        assert self.pool is not None
+        t0 = time.perf_counter()
+        try:
+            placed: list[Lease | BaseException] = list(self.pool.put_many(features, ttl, grids))
+        except ValueError as e:
+            placed = [ApiError("validation_error", str(e))] * len(idx)
+        except Exception as e:
+            # put_many has released these leases already; the batch's other groups stay
+            # valid and are returned (or discarded by the batcher if their request failed).
+            placed = [self._batch_error(e, "publishing")] * len(idx)
+        per_lease = (time.perf_counter() - t0) / len(idx)
+        for i, result in zip(idx, placed, strict=True):
+            results[i] = result
+            self.metrics.publish_seconds.observe(per_lease)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.encoder is not None

@@ -11,9 +11,10 @@ orientation, crop, antialiased resize) is tested on the CPU against Pillow.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as nnf
@@ -32,30 +33,55 @@ def centre_square(x: torch.Tensor) -> torch.Tensor:
     return x[..., top : top + side, left : left + side]
 
 
-def preprocess(
-    images: Sequence[torch.Tensor], orientations: Sequence[int], size: int
-) -> torch.Tensor:
+def preprocess(images: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
     """``[3, H, W]`` uint8 images -> ``[N, 3, size, size]`` float in 0..255, rounded as uint8.
 
     Like ``ImageOps.fit``: orient, crop the centred square, resize it with an antialiased
-    bicubic filter. Images of one shape are resized in one call.
+    bicubic filter. Images of one shape are resized in one call. TorchScript-compatible, so
+    that nvJPEG's decode and this run as one call (``decode_preprocess``).
     """
-    out = torch.empty(len(images), 3, size, size, device=images[0].device if images else None)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    squares = [centre_square(orient(im, o)) for im, o in zip(images, orientations, strict=True)]
-    for i, sq in enumerate(squares):
-        groups.setdefault(tuple(sq.shape), []).append(i)
-    for shape, idx in groups.items():
+    if len(images) != len(orientations):
+        raise ValueError("one orientation per image")
+    if len(images) == 0:
+        return torch.empty([0, 3, size, size])
+    squares: list[torch.Tensor] = []
+    groups: dict[int, list[int]] = {}  # by side: the squares' shape, [3, side, side]
+    for i in range(len(images)):
+        square = centre_square(orient(images[i], orientations[i]))
+        squares.append(square)
+        side = square.shape[-1]
+        if side in groups:
+            groups[side].append(i)
+        else:
+            groups[side] = [i]
+    out = torch.empty([len(images), 3, size, size], device=images[0].device)
+    for side, idx in groups.items():
         x = torch.stack([squares[i] for i in idx]).float()
-        if shape[-1] != size:
+        if side != size:
             x = nnf.interpolate(
-                x, size=(size, size), mode="bicubic", antialias=True, align_corners=False
+                x, size=[size, size], mode="bicubic", antialias=True, align_corners=False
             )
         x = x.clamp_(0, 255).round_()
         if len(idx) == len(images):
             return x
         out[torch.tensor(idx, device=x.device)] = x
     return out
+
+
+def decode_preprocess(
+    datas: list[torch.Tensor], orientations: list[int], size: int, mode: int, device: torch.device
+) -> torch.Tensor:
+    """nvJPEG's batched decode (torchvision's operator) and ``preprocess``, to be compiled by
+    TorchScript into one call. Every torch call from Python gives up the interpreter lock and
+    takes it back (as does every tensor freed), and beside a busy thread each take waits up to
+    the switch interval: a few per image here (128 images beside a spinning thread at a 5 ms
+    switch interval: 1.7-1.9 s as Python, 30-40 ms as one call; docs/benchmarks.md, "One call
+    per batch")."""
+    images = torch.ops.image.decode_jpegs_cuda(datas, mode, device)
+    return preprocess(images, orientations, size)
+
+
+FusedFn = Callable[[list[torch.Tensor], list[int], int], torch.Tensor]
 
 
 def _torchvision_decoder(device: torch.device) -> DecodeFn:
@@ -68,6 +94,23 @@ def _torchvision_decoder(device: torch.device) -> DecodeFn:
         return out if isinstance(out, list) else [out]
 
     return decode
+
+
+def _torchvision_fused(device: torch.device) -> FusedFn:
+    """``decode_preprocess`` compiled by TorchScript (torchvision's operator must be loaded
+    first: importing ``torchvision.io`` does it)."""
+    _need_cuda(device)
+    from torchvision.io import ImageReadMode
+
+    with warnings.catch_warnings():  # deprecated for torch.compile, which cannot take nvJPEG
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = torch.jit.script(decode_preprocess)
+    mode = ImageReadMode.RGB.value
+
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        return cast(torch.Tensor, compiled(datas, orientations, size, mode, device))
+
+    return fused
 
 
 def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
@@ -149,6 +192,22 @@ GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
     "nvjpeg+nvimgcodec": _both_decoder,
 }
 AUTO_ORDER = ("nvjpeg", "nvimgcodec")
+# The decoders that also decode and preprocess a batch in one call (``decode_preprocess``).
+FUSED_DECODERS: dict[str, Callable[[torch.device], FusedFn]] = {"nvjpeg": _torchvision_fused}
+
+
+def _fused(name: str, device: torch.device) -> FusedFn | None:
+    """``name``'s one-call decode and preprocess, or None: without it (TorchScript gone from
+    a later torch, say) the decoder still works, a few interpreter-lock waits per image
+    slower."""
+    factory = FUSED_DECODERS.get(name)
+    if factory is None:
+        return None
+    try:
+        return factory(device)
+    except Exception as e:
+        log.warning("%s: no one-call decode and preprocess (%s); decoding per image", name, e)
+        return None
 
 
 class JpegDecoder:
@@ -157,11 +216,16 @@ class JpegDecoder:
     fail. ``name`` says which library decodes (``nvjpeg``, ``nvimgcodec``)."""
 
     def __init__(
-        self, device: torch.device, decode_fn: DecodeFn | None = None, name: str = "nvjpeg"
+        self,
+        device: torch.device,
+        decode_fn: DecodeFn | None = None,
+        name: str = "nvjpeg",
+        fused: FusedFn | None = None,
     ) -> None:
         self.device = device
         self._decode = decode_fn or _torchvision_decoder(device)
         self.name = name
+        self._fused = fused
 
     @classmethod
     def create(
@@ -181,7 +245,7 @@ class JpegDecoder:
         reasons = []
         for name in AUTO_ORDER if decoder == "auto" else [decoder]:
             try:
-                made = cls(device, GPU_DECODERS[name](device), name)
+                made = cls(device, GPU_DECODERS[name](device), name, _fused(name, device))
                 made.warmup()
             except Exception as e:  # not installed, no CUDA, a library that cannot decode
                 reasons.append(f"{name}: {e}")
@@ -206,6 +270,27 @@ class JpegDecoder:
         Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(buf, "JPEG")
         data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         self._decode([data, data], self.device)
+        if self._fused is not None:
+            try:
+                for _ in range(3):  # TorchScript profiles its first calls, then optimises
+                    self._fused([data, data], [1, 6], 8)
+            except (RuntimeError, torch.jit.Error) as e:
+                log.warning("%s: one-call decode and preprocess failed (%s)", self.name, e)
+                self._fused = None
+
+    def decode_preprocess(
+        self, datas: list[torch.Tensor], orientations: list[int], size: int
+    ) -> torch.Tensor | None:
+        """The batch decoded and preprocessed (``preprocess``) in one call, or None where this
+        decoder has no such call or refused the batch (``decode`` then retries image by
+        image, and the caller preprocesses)."""
+        if self._fused is None:
+            return None
+        try:
+            return self._fused(datas, orientations, size)
+        except (RuntimeError, torch.jit.Error) as e:  # TorchScript's is no RuntimeError
+            log.info("nvJPEG refused a batch of %d (%s); decoding one by one", len(datas), e)
+            return None
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         """``[3, H, W]`` uint8 tensors on the device, or the exception of each failed image."""

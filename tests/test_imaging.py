@@ -5,7 +5,9 @@ a fake decoder: batching, per-image retry, Pillow fallback, 400 for the bad imag
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
 
 from app.errors import ApiError
-from app.gpu_decode import JpegDecoder, orient, preprocess
+from app.gpu_decode import DecodeFn, FusedFn, JpegDecoder, orient, preprocess
 from app.imaging import decode, inspect
 from tests.conftest import image_bytes, occupancy
 
@@ -70,24 +72,45 @@ def test_orient_matches_pillow_exif_transpose(orientation: int) -> None:
     assert np.array_equal(got, want)
 
 
+def scripted_preprocess() -> Callable[[list[torch.Tensor], list[int], int], torch.Tensor]:
+    """``preprocess`` as TorchScript compiles it (for nvJPEG's one-call decode on the GPU)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cast(
+            Callable[[list[torch.Tensor], list[int], int], torch.Tensor],
+            torch.jit.script(preprocess),
+        )
+
+
+PREPROCESS = pytest.mark.parametrize(
+    "pre", [preprocess, scripted_preprocess()], ids=["eager", "script"]
+)
+
+
+@PREPROCESS
 @pytest.mark.parametrize("size", [(320, 240), (240, 320), (224, 224), (100, 60)])
-def test_preprocess_matches_pillow_fit(size: tuple[int, int]) -> None:
+def test_preprocess_matches_pillow_fit(
+    size: tuple[int, int], pre: Callable[..., torch.Tensor]
+) -> None:
     arr = photo(*size)
     want = np.asarray(ImageOps.fit(Image.fromarray(arr), (56, 56), Image.Resampling.BICUBIC))
-    got = preprocess([torch.from_numpy(arr).permute(2, 0, 1)], [1], 56)
+    got = pre([torch.from_numpy(arr).permute(2, 0, 1)], [1], 56)
     assert got.shape == (1, 3, 56, 56)
     diff = np.abs(got[0].permute(1, 2, 0).numpy() - want.astype(np.float32))
     assert diff.mean() < 1.5 and np.percentile(diff, 99) < 12
 
 
-def test_preprocess_groups_shapes_and_keeps_order() -> None:
+@PREPROCESS
+def test_preprocess_groups_shapes_and_keeps_order(pre: Callable[..., torch.Tensor]) -> None:
     a, b = photo(64, 48, 1), photo(48, 64, 2)
-    ims = [torch.from_numpy(x).permute(2, 0, 1) for x in (a, b, a)]
-    out = preprocess(ims, [1, 1, 3], 16)
-    alone = [preprocess([im], [o], 16)[0] for im, o in zip(ims, [1, 1, 3], strict=True)]
+    ims = [torch.from_numpy(x).permute(2, 0, 1) for x in (a, b, a, photo(40, 40, 3))]
+    out = pre(ims, [1, 1, 3, 6], 16)
+    alone = [preprocess([im], [o], 16)[0] for im, o in zip(ims, [1, 1, 3, 6], strict=True)]
     for got, want in zip(out, alone, strict=True):
         assert torch.equal(got, want)
     assert not torch.equal(out[0], out[2])  # the third one is upside down
+    with pytest.raises((ValueError, torch.jit.Error), match="one orientation per image"):
+        pre(ims, [1], 16)
 
 
 def test_inspect_reads_header_only_and_routes() -> None:
@@ -153,9 +176,25 @@ def test_create_falls_back_without_cuda() -> None:
         JpegDecoder.create(torch.device("cpu"), "on")
 
 
-def test_engine_gpu_decode_path_with_a_fake_nvjpeg(make_client: Callable[..., TestClient]) -> None:
+def in_one_call(decode: DecodeFn, calls: list[int]) -> FusedFn:
+    """Stands in for nvJPEG's one-call decode and preprocess: ``decode``, then ``preprocess``
+    as TorchScript compiles it."""
+    scripted = scripted_preprocess()
+
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        calls.append(len(datas))
+        return scripted(decode(datas, torch.device("cpu")), orientations, size)
+
+    return fused
+
+
+@pytest.mark.parametrize("one_call", [False, True], ids=["per-image", "one-call"])
+def test_engine_gpu_decode_path_with_a_fake_nvjpeg(
+    make_client: Callable[..., TestClient], one_call: bool
+) -> None:
     """The engine's nvJPEG path on the CPU: a JPEG the decoder refuses (and Pillow too) fails
-    its own request with a 400; a good JPEG batched with it is encoded; nothing leaks."""
+    its own request with a 400; a good JPEG batched with it is encoded; nothing leaks. With
+    the one-call decode and preprocess, the refused batch falls back to image by image."""
     c = make_client(max_batch_wait_ms=50.0)
     engine = c.app.state.engine  # type: ignore[attr-defined]
     refused: list[int] = []
@@ -167,7 +206,9 @@ def test_engine_gpu_decode_path_with_a_fake_nvjpeg(make_client: Callable[..., Te
             refused.append(len(datas))
             raise RuntimeError(f"nvjpeg: {e}") from None
 
-    engine.jpeg = JpegDecoder(torch.device("cpu"), picky)
+    fused_calls: list[int] = []
+    fused = in_one_call(picky, fused_calls) if one_call else None
+    engine.jpeg = JpegDecoder(torch.device("cpu"), picky, fused=fused)
     good = jpeg(photo(96, 64), orientation=6)
     corrupt = bogus_huffman(good)
     import concurrent.futures
@@ -183,6 +224,7 @@ def test_engine_gpu_decode_path_with_a_fake_nvjpeg(make_client: Callable[..., Te
     assert ok.status_code == 200, ok.text
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_image", bad.text
     assert refused  # the fake nvJPEG saw it
+    assert bool(fused_calls) == one_call
     assert occupancy(c)[1] == 1
     # Same pixels as the Pillow path (up to draft-mode decoding): the orientation was applied.
     lid = ok.json()["items"][0]["lease_id"]
@@ -194,3 +236,35 @@ def test_engine_gpu_decode_path_with_a_fake_nvjpeg(make_client: Callable[..., Te
 
     a, b = (load(c.get(f"/v1/leases/{i}/tensor").content)["features"] for i in (lid, lid2))
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_one_call_decode_gives_the_per_image_paths_features(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """A batch of JPEGs (EXIF-rotated, of several shapes) decoded and preprocessed in one call
+    gives each image the same features, bit for bit, as the per-image path; the one call took
+    the whole batch."""
+    c = make_client(max_batch_wait_ms=200.0, feature_cache_entries=0)
+    engine = c.app.state.engine  # type: ignore[attr-defined]
+    files = [
+        ("image", (f"{k}.jpg", jpeg(photo(w, h, k), o), "image/jpeg"))
+        for k, (w, h, o) in enumerate([(96, 64, 6), (64, 96, 1), (80, 80, 3), (96, 64, 1)])
+    ]
+
+    def features(fused: FusedFn | None) -> list[torch.Tensor]:
+        engine.jpeg = JpegDecoder(torch.device("cpu"), pil_decode, fused=fused)
+        r = c.post("/v1/encode", files=files)
+        assert r.status_code == 200, r.text
+        assert not any(it["cached"] for it in r.json()["items"])
+        from safetensors.torch import load
+
+        return [
+            load(c.get(f"/v1/leases/{it['lease_id']}/tensor").content)["features"]
+            for it in r.json()["items"]
+        ]
+
+    calls: list[int] = []
+    one_call, per_image = features(in_one_call(pil_decode, calls)), features(None)
+    assert calls == [4]
+    for a, b in zip(one_call, per_image, strict=True):
+        assert torch.equal(a, b)

@@ -75,6 +75,30 @@ def test_nvjpeg_decode_equals_pillow() -> None:
         assert (small - ref).abs().mean() < 3.0
 
 
+def test_one_call_decode_equals_decode_then_preprocess() -> None:
+    """nvJPEG's decode and ``preprocess`` compiled into one TorchScript call give the same
+    pixels, bit for bit, as torchvision's decode followed by ``preprocess`` in Python: real
+    photos (scikit-image's), EXIF-rotated, of three shapes in one batch. A batch with a JPEG
+    nvJPEG refuses gets None (the engine then decodes image by image)."""
+    from skimage import data as photos
+
+    dec = JpegDecoder.create(torch.device("cuda"), "on", "nvjpeg")
+    assert dec is not None and dec._fused is not None, "no one-call decode on this GPU"
+    arrays = [photos.chelsea(), photos.coffee(), photos.astronaut(), photos.rocket()]
+    datas = [jpeg(a, o, quality=90) for a, o in zip(arrays, [1, 6, 3, 8], strict=True)]
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
+    orientations = [inspect(d, **LIMITS).orientation for d in datas]
+    assert orientations == [1, 6, 3, 8]
+    got = dec.decode_preprocess(tensors, orientations, 224)
+    decoded = dec.decode(tensors)
+    assert all(isinstance(x, torch.Tensor) for x in decoded)
+    want = preprocess([x for x in decoded if isinstance(x, torch.Tensor)], orientations, 224)
+    assert got is not None and got.shape == (4, 3, 224, 224)
+    assert torch.equal(got, want)
+    bad = torch.frombuffer(bytearray(bogus_huffman(datas[0])), dtype=torch.uint8)
+    assert dec.decode_preprocess([tensors[1], bad], [1, 1], 224) is None
+
+
 def test_nvjpeg_refuses_only_the_bad_image() -> None:
     dec = JpegDecoder(torch.device("cuda"))
     good = jpeg(photo(256, 192))
