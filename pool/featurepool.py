@@ -198,7 +198,7 @@ class FeaturePool:
 
     def put_many(
         self,
-        tensors: Sequence[torch.Tensor],
+        tensors: Sequence[torch.Tensor] | torch.Tensor,
         ttl_s: float | None = None,
         grids: Sequence[ImageGrid | None] | None = None,
     ) -> list[Lease | PoolError]:
@@ -210,34 +210,67 @@ class FeaturePool:
         it waits up to ``wait_s`` for its space in all, not that long for each tensor. A bad
         TTL raises ValueError for all. ``grids`` gives each tensor's image grid, for its
         descriptor.
+
+        One tensor ``[k, ...]`` stands for its k rows, a lease each: checked once, and on a
+        backend with ``publish_rows`` copied without a Python tensor per row (each one made
+        or freed gives up the interpreter lock, and waits to take it back when the process
+        is busy).
         """
         ttl = self.clamp_ttl(ttl_s)
         if grids is not None and len(grids) != len(tensors):
             raise ValueError(f"{len(grids)} grids for {len(tensors)} tensors")
+        rows: torch.Tensor | None = None
+        specimens: Sequence[torch.Tensor]
+        if not isinstance(tensors, torch.Tensor):
+            specimens = tensors
+        else:
+            if tensors.dim() < 2:
+                raise ValueError(f"rows to publish need a [k, ...] tensor, got {tensors.dim()}-d")
+            try:
+                rows = self._checked(tensors)
+            except PoolError as e:  # each row would meet it
+                return [e] * len(tensors)
+            # Every row has the first one's shape, dtype and device: reserved by it.
+            specimens = [rows[0]] * len(rows)
         deadline = self._deadline()
         results: list[Lease | PoolError] = []
-        placed: dict[str, list[tuple[Lease, torch.Tensor]]] = {}  # by tier name
-        inline: list[tuple[Lease, torch.Tensor]] = []
-        for n, given in enumerate(tensors):
+        checked: dict[int, torch.Tensor] = {}  # each tensor as published (not for rows)
+        placed: dict[str, list[tuple[Lease, int]]] = {}  # by tier name: (lease, which tensor)
+        inline: list[tuple[Lease, int]] = []
+        for n, given in enumerate(specimens):
             try:
-                tensor = self._checked(given)
+                tensor = given if rows is not None else self._checked(given)
                 nbytes = tensor.numel() * tensor.element_size()
                 lease, tier = self._reserve(tensor, nbytes, ttl, deadline)
             except PoolError as e:
                 results.append(e)
                 continue
+            if rows is None:
+                checked[n] = tensor
             if grids is not None:
                 lease.grid = grids[n]
             results.append(lease)
             if tier is not None:
-                placed.setdefault(tier.name, []).append((lease, tensor))
+                placed.setdefault(tier.name, []).append((lease, n))
             else:
-                inline.append((lease, tensor))
+                inline.append((lease, n))
         leases = [r for r in results if isinstance(r, Lease)]
         try:
             for name, items in placed.items():
-                self._publish(self.tier(name), items)
-            self._fill_inline(inline)
+                backend = self.tier(name).backend
+                if rows is not None and len(items) > 1 and hasattr(backend, "publish_rows"):
+                    backend.publish_rows(
+                        [(lease.extent, n, lease.slot, lease.generation) for lease, n in items],
+                        rows,
+                        self.ctrl,
+                    )
+                    continue
+                if rows is not None and not checked:
+                    checked = dict(enumerate(rows.unbind(0)))  # rows of a checked tensor
+                self._publish(self.tier(name), [(lease, checked[n]) for lease, n in items])
+            if rows is not None and inline and not checked:
+                checked = dict(enumerate(rows.unbind(0)))
+            self._fill_inline([(lease, checked[n]) for lease, n in inline])
         except BaseException:
             self._undo(leases)
             raise

@@ -14,7 +14,7 @@ import os
 import threading
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -666,6 +666,53 @@ def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
             assert not isinstance(lease, BaseException)
             assert pool.ctrl.ready(lease.slot) == lease.generation
             assert torch.equal(pool.read(lease.id), t)
+    finally:
+        pool.close()
+    assert_nothing_left(drv)
+
+
+def test_put_many_of_rows_copies_every_row_then_writes_each_ready_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor of rows on the GPU tier: every row copied (one compiled call, no Python view
+    per row) before any ready word, the words in one driver call; each lease reads its row,
+    whatever slab it landed in."""
+    copier_calls: list[int] = []
+
+    def counted() -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            copier_calls.append(len(args[1]))
+            vmm.row_copier()(*args)
+
+        return call
+
+    monkeypatch.setattr(cuda_vmm, "row_copier", counted)
+    be, drv = make(pool_bytes=8 * MiB, slab_bytes=1 * MiB)
+    pool = FeaturePool([be], max_leases=64)
+    try:
+        rows = torch.arange(12 * 200 * 256, dtype=torch.float32).reshape(12, 200, 256)
+        seen: list[bool] = []
+
+        def all_bytes_in_place() -> None:
+            seen.append(
+                all(
+                    torch.equal(pool.read(lease.id), row)
+                    for lease, row in zip(pool.leases, rows, strict=True)
+                )
+            )
+
+        drv.on_write.append(all_bytes_in_place)
+        n0 = len(drv.calls)
+        leases = pool.put_many(rows)
+        assert [c[0] for c in drv.calls[n0:]] == ["stream_write_values32"]
+        assert seen == [True] * 12  # checked at each word the fake driver writes
+        assert copier_calls == [12]
+        assert len({lease.extent.slab for lease in leases}) > 1  # type: ignore[union-attr]
+        for lease, row in zip(leases, rows, strict=True):
+            assert not isinstance(lease, BaseException)
+            assert pool.ctrl.ready(lease.slot) == lease.generation
+            assert lease.shape == (200, 256)
+            assert torch.equal(pool.read(lease.id), row)
     finally:
         pool.close()
     assert_nothing_left(drv)

@@ -150,6 +150,25 @@ def test_put_many_returns_a_result_per_tensor() -> None:
     p.close()
 
 
+def test_put_many_of_rows_gives_each_row_a_lease() -> None:
+    """One tensor [k, ...] stands for its k rows: a lease each, holding that row, placed down
+    the tier chain as k tensors would be; a row-less or 1-d tensor is refused."""
+    p = make_pool([4096], inline_max_bytes=2 * 3072)
+    rows = torch.arange(4 * 768, dtype=torch.float32).reshape(4, 768)
+    first, spilled, spilled2, refused = p.put_many(rows)
+    assert not isinstance(first, BaseException) and first.tier == "host"
+    assert not isinstance(spilled, BaseException) and spilled.tier == "inline"
+    assert not isinstance(spilled2, BaseException) and spilled2.tier == "inline"
+    assert isinstance(refused, PoolExhausted)
+    for lease, row in zip((first, spilled, spilled2), rows, strict=False):
+        assert lease.shape == (768,) and torch.equal(p.read(lease.id), row)
+    assert [type(r) for r in p.put_many(torch.ones(3, 0))] == [InvalidTensor] * 3
+    with pytest.raises(ValueError, match="rows"):
+        p.put_many(torch.ones(5))
+    assert p.put_many(torch.ones(0, 4)) == []
+    p.close()
+
+
 def test_full_slots_of_acked_leases_are_reused() -> None:
     p = make_pool([MiB], max_leases=2)
     a, b = p.put(torch.ones(4)), p.put(torch.ones(4))

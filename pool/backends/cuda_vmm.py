@@ -31,7 +31,7 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -44,6 +44,7 @@ from pool.backends.vmm import (
     Mapping,
     map_allocation,
     round_up,
+    row_copier,
     unmap_allocation,
 )
 from pool.control import (
@@ -416,6 +417,37 @@ class CudaVmmBackend:
         dsts = [self.view(e, t.dtype, tuple(t.shape)) for e, t, _, _ in items]
         torch._foreach_copy_(dsts, [t for _, t, _, _ in items])
         # After the copies on the same stream, every ready word in one driver call.
+        words = [w for _, _, slot, gen in items for w in self._ready_words(ctrl, slot, gen)]
+        self.driver.stream_write_values32(self.rt.current_stream(), words)
+
+    def publish_rows(
+        self, items: Sequence[tuple[Extent, int, int, int]], rows: torch.Tensor, ctrl: ControlBlock
+    ) -> None:
+        """``publish_many`` for rows of one contiguous tensor (``items``: extent, row, slot,
+        generation): the copies in one TorchScript call, then the ready words in one driver
+        call, on the same stream. No Python tensor per row: on a busy process each one made
+        or freed waits to take the interpreter lock back."""
+        if rows.device != self.device:
+            raise InvalidTensor(
+                f"a {rows.device} tensor was given to the GPU pool on {self.device}: "
+                f"move it there first"
+            )
+        if self._ctrl is not ctrl:
+            self.bind_control(ctrl)
+        src = rows.reshape(len(rows), -1).view(torch.uint8)
+        for extent, _, _, _ in items:
+            if extent.size < src.shape[1]:
+                raise ValueError(f"{src.shape[1]} bytes do not fit the extent {extent}")
+        slabs = [self._slabs[i].base for i in range(len(self._slabs))]
+        if any(b is None for b in slabs):
+            raise InvalidTensor("the GPU pool is closed")
+        row_copier()(
+            cast(list[torch.Tensor], slabs),
+            [e.slab for e, _, _, _ in items],
+            [e.offset for e, _, _, _ in items],
+            src,
+            [r for _, r, _, _ in items],
+        )
         words = [w for _, _, slot, gen in items for w in self._ready_words(ctrl, slot, gen)]
         self.driver.stream_write_values32(self.rt.current_stream(), words)
 

@@ -3,8 +3,11 @@ access with rollback, tear down, and zero-copy torch views of mapped memory."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,6 +31,33 @@ class DevicePointer:
             "strides": None,
             "stream": None,
         }
+
+
+def copy_rows(
+    slabs: list[torch.Tensor],
+    slab_of: list[int],
+    offsets: list[int],
+    src: torch.Tensor,
+    rows: list[int],
+) -> None:
+    """Row ``rows[i]`` of ``src`` (``[k, nbytes]`` uint8) into ``slabs[slab_of[i]]`` (flat
+    uint8) at byte ``offsets[i]``, for each i, on the current stream. Compiled by TorchScript
+    (``row_copier``): one call for the batch, no Python tensor per row. A copy per row: a
+    TorchScript ``_foreach_copy_`` over views built in a list is dropped as dead code."""
+    n = src.shape[1]
+    for i in range(len(offsets)):
+        slabs[slab_of[i]].narrow(0, offsets[i], n).copy_(src[rows[i]], non_blocking=True)
+
+
+RowCopier = Callable[[list[torch.Tensor], list[int], list[int], torch.Tensor, list[int]], None]
+
+
+@functools.cache
+def row_copier() -> RowCopier:
+    """``copy_rows`` compiled by TorchScript (once per process)."""
+    with warnings.catch_warnings():  # deprecated for torch.compile, which cannot take this
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cast(RowCopier, torch.jit.script(copy_rows))
 
 
 def typed_view(

@@ -339,10 +339,12 @@ def test_views_outlive_close_on_the_gpu_tier(producer: Producer, sock: Path) -> 
         client.close()
 
 
-def test_put_many_writes_every_ready_word_after_its_bytes() -> None:
+@pytest.mark.parametrize("form", ["tensors", "rows"])
+def test_put_many_writes_every_ready_word_after_its_bytes(form: str) -> None:
     """A batch of 300 leases (two cuStreamBatchMemOp calls of ready words, 255 + 45) behind a
     GPU sleep: no word is set before the copies ran, then each slot's word is its lease's
-    generation and each lease holds its own tensor."""
+    generation and each lease holds its own tensor. As 300 tensors, and as one tensor of 300
+    rows (copied by one TorchScript call)."""
     from pool.backends.cuda_vmm import CudaVmmBackend
     from pool.featurepool import FeaturePool
 
@@ -350,11 +352,13 @@ def test_put_many_writes_every_ready_word_after_its_bytes() -> None:
     pool = FeaturePool([backend], max_leases=512, policy="reject")
     try:
         ts = [torch.full((3, 5), float(i), device="cuda") for i in range(300)]
-        for lease in pool.put_many(ts[:8]):  # the first publish binds the control block: it
-            pool.release(lease.id)  # type: ignore[union-attr]  # waits for the device
+        # The first publish binds the control block, and the first of rows runs TorchScript's
+        # first call: both wait for the device.
+        for lease in pool.put_many(ts[:8] if form == "tensors" else torch.stack(ts[:8])):
+            pool.release(lease.id)  # type: ignore[union-attr]
         torch.cuda.synchronize()
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the copies and words
-        leases = pool.put_many(ts)
+        leases = pool.put_many(ts if form == "tensors" else torch.stack(ts))
         assert all(not isinstance(lease, BaseException) for lease in leases)
         early = [pool.ctrl.ready(lease.slot) for lease in leases]  # type: ignore[union-attr]
         torch.cuda.synchronize()
