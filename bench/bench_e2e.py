@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -272,6 +273,57 @@ class CpuSampler:
         return {f"{k}_cores": (b[k] - a[k]) / wall for k in ("gpu_process", "fronts", "machine")}
 
 
+class GpuSampler:
+    """``nvidia-smi``'s utilisation of GPU 0 every 250 ms, on a thread: the share of time a
+    kernel ran (SMs) and the JPEG engines' (nvImageCodec's hardware decoder), averaged over
+    the clients' window afterwards. Without nvidia-smi, nothing."""
+
+    FIELDS = ("sm", "jpeg")
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[float]]] = []
+        try:
+            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
+                [
+                    "nvidia-smi",
+                    "-i",
+                    "0",
+                    "--query-gpu=utilization.gpu,utilization.jpeg",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    "250",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        except OSError:
+            self._proc = None
+            return
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            with contextlib.suppress(ValueError):  # "[N/A]" where a field is not supported
+                self.samples.append((time.time(), [float(x) for x in line.split(",")]))
+
+    def busy(self, t0: float, t1: float) -> dict[str, float]:
+        """Mean utilisation (%) of the samples between t0 and t1."""
+        if self._proc is None:
+            return {}
+        self._proc.terminate()
+        self._proc.wait()
+        inside = [v for t, v in self.samples if t0 <= t <= t1]
+        if not inside:
+            return {}
+        return {
+            f"gpu_{name}_busy_pct": float(np.mean([v[k] for v in inside]))
+            for k, name in enumerate(self.FIELDS)
+        }
+
+
 def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     d = {k: b[k] - a.get(k, 0.0) for k in b}
 
@@ -351,7 +403,7 @@ def run_point(
     procs = min(procs, p.concurrency)
     per = [p.concurrency // procs + (1 if i < p.concurrency % procs else 0) for i in range(procs)]
     before = scrape(srv.base)
-    sampler = CpuSampler(srv.proc.pid)
+    sampler, gpu = CpuSampler(srv.proc.pid), GpuSampler()
     spy = _py_spy(args, srv.proc.pid, p)
     ctx = get_context("spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
@@ -376,7 +428,7 @@ def run_point(
     # The window every client measured in.
     t0 = max(part["window"][0] for part in parts)
     t1 = min(part["window"][1] for part in parts)
-    cpu = sampler.cores(t0, t1)
+    cpu = {**sampler.cores(t0, t1), **gpu.busy(t0, t1)}
     if spy is not None:
         spy.wait()
     after = scrape(srv.base)
@@ -519,9 +571,10 @@ def main() -> None:
     print(
         "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
         "decode ms | queue ms | encode ms/batch | cores: GPU proc / fronts / clients / machine "
-        "| GC ms/s: GPU proc / fronts | job ms: front / GPU proc | non-200 |"
+        "| GC ms/s: GPU proc / fronts | job ms: front / GPU proc | GPU busy %: SMs / JPEG "
+        "| non-200 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
         print(
@@ -532,7 +585,8 @@ def main() -> None:
             f"{r.get('fronts_cores', nan):.1f} / {r['client_cores']:.1f} / "
             f"{r.get('machine_cores', nan):.1f} | {r.get('gc_gpu_ms_per_s', nan):.1f} / "
             f"{r.get('gc_fronts_ms_per_s', nan):.1f} | {r.get('front_job_ms', nan):.1f} / "
-            f"{r.get('gpu_job_ms', nan):.1f} | {bad or '-'} |"
+            f"{r.get('gpu_job_ms', nan):.1f} | {r.get('gpu_sm_busy_pct', nan):.0f} / "
+            f"{r.get('gpu_jpeg_busy_pct', nan):.0f} | {bad or '-'} |"
         )
     ratio = best["featpool"] / best["naive"] if best["naive"] else float("nan")
     print(
