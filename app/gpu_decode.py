@@ -125,7 +125,8 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
     _need_cuda(device)
     from torchvision.io import ImageReadMode
 
-    with warnings.catch_warnings():  # deprecated for torch.compile, which cannot take nvJPEG
+    # TorchScript is deprecated (for torch.compile), and is what runs a batch as one call here
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         compiled = torch.jit.script(decode_preprocess)
     mode = ImageReadMode.RGB.value

@@ -55,7 +55,8 @@ RowCopier = Callable[[list[torch.Tensor], list[int], list[int], torch.Tensor, li
 @functools.cache
 def row_copier() -> RowCopier:
     """``copy_rows`` compiled by TorchScript (once per process)."""
-    with warnings.catch_warnings():  # deprecated for torch.compile, which cannot take this
+    # TorchScript is deprecated (for torch.compile), and is what runs a batch as one call here
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return cast(RowCopier, torch.jit.script(copy_rows))
 
