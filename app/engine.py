@@ -639,8 +639,8 @@ class Engine:
         assert self.jpeg is not None
         if self._spec is not None:
             return None
-        images = [jobs[i].jpeg for i in idx]
-        return self.jpeg.decode_preprocess(images, [jobs[i].orientation for i in idx], size)
+        datas = [byte_tensor(jobs[i].jpeg) for i in idx]
+        return self.jpeg.decode_preprocess(datas, [jobs[i].orientation for i in idx], size)
 
     def _decode_jpegs(
         self, jobs: list[Job], idx: list[int], size: int | None, failed: dict[int, BaseException]

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, cast
 
 import torch
 import torch.nn.functional as nnf
 
-from app.imaging import ImageData
 from app.preprocess import orient
 
 log = logging.getLogger(__name__)
@@ -69,42 +68,20 @@ def preprocess(images: list[torch.Tensor], orientations: list[int], size: int) -
     return out
 
 
-def decode_preprocess(  # noqa: PLR0917 (called positionally, by TorchScript too)
-    blob: torch.Tensor,
-    offsets: list[int],
-    lengths: list[int],
-    orientations: list[int],
-    size: int,
-    mode: int,
-    device: torch.device,
+def decode_preprocess(
+    datas: list[torch.Tensor], orientations: list[int], size: int, mode: int, device: torch.device
 ) -> torch.Tensor:
-    """nvJPEG's batched decode (torchvision's operator) of the JPEGs packed in ``blob`` (see
-    ``pack``), then ``preprocess``: compiled by TorchScript into one call. Every torch call
-    from Python gives up the interpreter lock and takes it back (as does every tensor freed),
-    and beside a busy thread each take waits up to the switch interval: a few per image here
-    (128 images beside a spinning thread at a 5 ms switch interval: 1.7-1.9 s as Python,
-    30-40 ms as one call; docs/benchmarks.md, "One call per batch")."""
-    datas = [blob.narrow(0, offsets[i], lengths[i]) for i in range(len(offsets))]
+    """nvJPEG's batched decode (torchvision's operator) and ``preprocess``, to be compiled by
+    TorchScript into one call. Every torch call from Python gives up the interpreter lock and
+    takes it back (as does every tensor freed), and beside a busy thread each take waits up to
+    the switch interval: a few per image here (128 images beside a spinning thread at a 5 ms
+    switch interval: 1.7-1.9 s as Python, 30-40 ms as one call; docs/benchmarks.md, "One call
+    per batch")."""
     images = torch.ops.image.decode_jpegs_cuda(datas, mode, device)
     return preprocess(images, orientations, size)
 
 
-def pack(images: Sequence[ImageData]) -> tuple[torch.Tensor, list[int], list[int]]:
-    """The images' bytes back to back in one uint8 tensor, with each one's offset and length:
-    one tensor made and freed per batch instead of one per image (each freed beside a busy
-    thread waits for the interpreter lock). The copy is a memcpy per image."""
-    lengths = [len(x) for x in images]
-    blob = bytearray(sum(lengths) or 1)
-    offsets, at = [], 0
-    for x, n in zip(images, lengths, strict=True):
-        blob[at : at + n] = x
-        offsets.append(at)
-        at += n
-    return torch.frombuffer(blob, dtype=torch.uint8), offsets, lengths
-
-
-# (blob, offsets, lengths, orientations, size) -> [N, 3, size, size], as ``decode_preprocess``
-FusedFn = Callable[[torch.Tensor, list[int], list[int], list[int], int], torch.Tensor]
+FusedFn = Callable[[list[torch.Tensor], list[int], int], torch.Tensor]
 
 
 def _torchvision_decoder(device: torch.device) -> DecodeFn:
@@ -131,10 +108,8 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
         compiled = torch.jit.script(decode_preprocess)
     mode = ImageReadMode.RGB.value
 
-    def fused(
-        blob: torch.Tensor, offsets: list[int], lengths: list[int], orients: list[int], size: int
-    ) -> torch.Tensor:
-        return cast(torch.Tensor, compiled(blob, offsets, lengths, orients, size, mode, device))
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        return cast(torch.Tensor, compiled(datas, orientations, size, mode, device))
 
     return fused
 
@@ -299,23 +274,23 @@ class JpegDecoder:
         if self._fused is not None:
             try:
                 for _ in range(3):  # TorchScript profiles its first calls, then optimises
-                    self._fused(*pack([buf.getvalue()] * 2), [1, 6], 8)
+                    self._fused([data, data], [1, 6], 8)
             except (RuntimeError, torch.jit.Error) as e:
                 log.warning("%s: one-call decode and preprocess failed (%s)", self.name, e)
                 self._fused = None
 
     def decode_preprocess(
-        self, images: Sequence[ImageData], orientations: list[int], size: int
+        self, datas: list[torch.Tensor], orientations: list[int], size: int
     ) -> torch.Tensor | None:
-        """The JPEGs decoded and preprocessed (``preprocess``) in one call, or None where this
+        """The batch decoded and preprocessed (``preprocess``) in one call, or None where this
         decoder has no such call or refused the batch (``decode`` then retries image by
         image, and the caller preprocesses)."""
         if self._fused is None:
             return None
         try:
-            return self._fused(*pack(images), orientations, size)
+            return self._fused(datas, orientations, size)
         except (RuntimeError, torch.jit.Error) as e:  # TorchScript's is no RuntimeError
-            log.info("nvJPEG refused a batch of %d (%s); decoding one by one", len(images), e)
+            log.info("nvJPEG refused a batch of %d (%s); decoding one by one", len(datas), e)
             return None
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:

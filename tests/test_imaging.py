@@ -181,12 +181,9 @@ def in_one_call(decode: DecodeFn, calls: list[int]) -> FusedFn:
     as TorchScript compiles it."""
     scripted = scripted_preprocess()
 
-    def fused(
-        blob: torch.Tensor, offsets: list[int], lengths: list[int], orients: list[int], size: int
-    ) -> torch.Tensor:
-        calls.append(len(offsets))
-        datas = [blob[o : o + n] for o, n in zip(offsets, lengths, strict=True)]
-        return scripted(decode(datas, torch.device("cpu")), orients, size)
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        calls.append(len(datas))
+        return scripted(decode(datas, torch.device("cpu")), orientations, size)
 
     return fused
 

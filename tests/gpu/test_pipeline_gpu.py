@@ -89,13 +89,14 @@ def test_one_call_decode_equals_decode_then_preprocess() -> None:
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
     orientations = [inspect(d, **LIMITS).orientation for d in datas]
     assert orientations == [1, 6, 3, 8]
-    got = dec.decode_preprocess([memoryview(d) for d in datas], orientations, 224)
+    got = dec.decode_preprocess(tensors, orientations, 224)
     decoded = dec.decode(tensors)
     assert all(isinstance(x, torch.Tensor) for x in decoded)
     want = preprocess([x for x in decoded if isinstance(x, torch.Tensor)], orientations, 224)
     assert got is not None and got.shape == (4, 3, 224, 224)
     assert torch.equal(got, want)
-    assert dec.decode_preprocess([datas[1], bogus_huffman(datas[0])], [1, 1], 224) is None
+    bad = torch.frombuffer(bytearray(bogus_huffman(datas[0])), dtype=torch.uint8)
+    assert dec.decode_preprocess([tensors[1], bad], [1, 1], 224) is None
 
 
 def test_nvjpeg_refuses_only_the_bad_image() -> None:
