@@ -499,7 +499,14 @@ def test_cpu_tensor_is_refused_with_a_clear_message() -> None:
     try:
         with pytest.raises(InvalidTensor, match=r"a cpu tensor was given to the GPU pool.*cuda:0"):
             be.publish(Extent(0, 0, 256), torch.ones(4), ctrl, 0, 1)
+        items = [(Extent(0, 256 * i, 256), torch.ones(4), i, 1) for i in range(4)]
+        with pytest.raises(InvalidTensor, match=r"a cpu tensor was given to the GPU pool.*cuda:0"):
+            be.publish_many(items, ctrl)
+        rows = [(Extent(0, 256 * i, 256), i, i, 1) for i in range(4)]
+        with pytest.raises(InvalidTensor, match=r"a cpu tensor was given to the GPU pool.*cuda:0"):
+            be.publish_rows(rows, torch.ones(4, 4), ctrl)
         assert "stream_write_value32" not in drv.names()
+        assert "stream_write_values32" not in drv.names()
     finally:
         be.close()
         ctrl.close()

@@ -357,14 +357,7 @@ class CudaVmmBackend:
     def publish(
         self, extent: Extent, tensor: torch.Tensor, ctrl: ControlBlock, slot: int, gen: int
     ) -> None:
-        if tensor.device != self.device:
-            raise InvalidTensor(
-                f"a {tensor.device} tensor was given to the GPU pool ({self.transport} on "
-                f"{self.device}): move it there first (tensor.to('{self.device}')), or publish "
-                f"host tensors to a host_shm tier"
-            )
-        if self._ctrl is not ctrl:
-            self.bind_control(ctrl)
+        self._take(tensor.device, ctrl)
         stream = self.rt.current_stream()
         nbytes = tensor.numel() * tensor.element_size()
         if self.copy_engine == "driver" and tensor.is_contiguous():
@@ -382,6 +375,18 @@ class CudaVmmBackend:
             dst.copy_(tensor, non_blocking=True)
         # Same stream, after the copy: the write is ordered behind it (with a memory barrier).
         self._write_ready(stream, ctrl, slot, gen)
+
+    def _take(self, device: torch.device, ctrl: ControlBlock) -> None:
+        """Before a copy into the pool: refuse a tensor on another device; bind the control
+        block on first use."""
+        if device != self.device:
+            raise InvalidTensor(
+                f"a {device} tensor was given to the GPU pool ({self.transport} on "
+                f"{self.device}): move it there first (tensor.to('{self.device}')), or publish "
+                f"host tensors to a host_shm tier"
+            )
+        if self._ctrl is not ctrl:
+            self.bind_control(ctrl)
 
     def _write_ready(self, stream: int, ctrl: ControlBlock, slot: int, gen: int) -> None:
         for word, value in self._ready_words(ctrl, slot, gen):
@@ -407,13 +412,7 @@ class CudaVmmBackend:
                 self.publish(extent, tensor, ctrl, slot, gen)
             return
         for _, tensor, _, _ in items:
-            if tensor.device != self.device:
-                raise InvalidTensor(
-                    f"a {tensor.device} tensor was given to the GPU pool on "
-                    f"{self.device}: move it there first"
-                )
-        if self._ctrl is not ctrl:
-            self.bind_control(ctrl)
+            self._take(tensor.device, ctrl)
         dsts = [self.view(e, t.dtype, tuple(t.shape)) for e, t, _, _ in items]
         torch._foreach_copy_(dsts, [t for _, t, _, _ in items])
         # After the copies on the same stream, every ready word in one driver call.
@@ -427,13 +426,7 @@ class CudaVmmBackend:
         generation): the copies in one TorchScript call, then the ready words in one driver
         call, on the same stream. No Python tensor per row: on a busy process each one made
         or freed waits to take the interpreter lock back."""
-        if rows.device != self.device:
-            raise InvalidTensor(
-                f"a {rows.device} tensor was given to the GPU pool on {self.device}: "
-                f"move it there first"
-            )
-        if self._ctrl is not ctrl:
-            self.bind_control(ctrl)
+        self._take(rows.device, ctrl)
         src = rows.reshape(len(rows), -1).view(torch.uint8)
         for extent, _, _, _ in items:
             if extent.size < src.shape[1]:
