@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, cast
 
 import torch
@@ -144,53 +143,16 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
     return decode
 
 
-def split_decoder(first: DecodeFn, second: DecodeFn, second_share: float) -> DecodeFn:
-    """Two decoders on one batch at once: ``second`` takes the last ``second_share`` of the
-    images on a thread of its own while ``first`` decodes the rest here, both on the caller's
-    CUDA stream. torchvision's nvJPEG decodes one batch at a time (one decoder behind a mutex,
-    Huffman decoding on the calling thread); nvImageCodec's hardware decoder is another engine,
-    so together they finish a batch sooner than either alone. Results keep the batch's order;
-    an error in either half fails the call (``JpegDecoder.decode`` then retries one by one)."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="featpool-decode-2")
-
-    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        cut = len(datas) - round(len(datas) * second_share)
-        if cut in (0, len(datas)):
-            return first(datas, device)
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-        def rest() -> list[torch.Tensor]:
-            with torch.cuda.stream(stream):  # a thread's current stream is its own
-                return second(datas[cut:], device)
-
-        later = pool.submit(rest)
-        try:
-            head = first(datas[:cut], device)
-        finally:
-            tail = later.result()  # waited for even when the first half failed
-        return [*head, *tail]
-
-    return decode
-
-
-def _both_decoder(device: torch.device) -> DecodeFn:
-    """nvJPEG and nvImageCodec's hardware decoder splitting each batch (``split_decoder``);
-    nvImageCodec takes the smaller share, its batched call being the slower per image on the
-    H200 (0.26 against 0.20 ms per 1024 px image under load, docs/benchmarks.md)."""
-    return split_decoder(_torchvision_decoder(device), _nvimgcodec_decoder(device), 0.43)
-
-
 def _need_cuda(device: torch.device) -> None:
     if device.type != "cuda":
         raise RuntimeError(f"the device is {device}")
 
 
-DecoderName = Literal["auto", "nvjpeg", "nvimgcodec", "nvjpeg+nvimgcodec", "pillow"]
+DecoderName = Literal["auto", "nvjpeg", "nvimgcodec", "pillow"]
 # The GPU JPEG decoders, and the order in which --decoder auto tries them.
 GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
     "nvjpeg": _torchvision_decoder,
     "nvimgcodec": _nvimgcodec_decoder,
-    "nvjpeg+nvimgcodec": _both_decoder,
 }
 AUTO_ORDER = ("nvjpeg", "nvimgcodec")
 # The decoders that also decode and preprocess a batch in one call (``decode_preprocess``).

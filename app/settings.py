@@ -160,11 +160,10 @@ class Settings(BaseSettings):
     gpu_decode: Literal["auto", "on", "off"] = Field(
         "auto", description="JPEG decode on the GPU: if available, required, never"
     )
-    decoder: Literal["auto", "nvjpeg", "nvimgcodec", "nvjpeg+nvimgcodec", "pillow"] = Field(
+    decoder: Literal["auto", "nvjpeg", "nvimgcodec", "pillow"] = Field(
         "auto",
         description="JPEG decoder, chosen at start-up: nvjpeg (torchvision), nvimgcodec (the "
-        "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), nvjpeg+nvimgcodec (both at once, "
-        "each batch split between them), pillow (CPU); auto: the first "
+        "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); auto: the first "
         "GPU one that works, else pillow. A named one that does not work stops start-up",
     )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")

@@ -1,8 +1,7 @@
-"""``--decoder auto|nvjpeg|nvimgcodec|nvjpeg+nvimgcodec|pillow``: which JPEG decoder the engine
+"""``--decoder auto|nvjpeg|nvimgcodec|pillow``: which JPEG decoder the engine
 takes at start-up, its fallbacks, the start-up error when a named one is absent, and where the
-choice is reported (``/v1/pool``, ``featpool_build_info``); the split of a batch between two
-decoders. The GPU decoders are replaced by stand-ins here (this
-machine has no CUDA); the real ones run in tests/gpu."""
+choice is reported (``/v1/pool``, ``featpool_build_info``). The GPU decoders are replaced by
+stand-ins here (this machine has no CUDA); the real ones run in tests/gpu."""
 
 from __future__ import annotations
 
@@ -132,47 +131,3 @@ def test_a_named_decoder_is_reported_by_the_server(
     r = c.post("/v1/encode", content=jpeg(photo(64, 48)), headers={"content-type": "image/jpeg"})
     assert r.status_code == 200, r.text
     assert calls == [1]
-
-
-def _tagged(tag: int, log: list[tuple[int, str, int]]) -> DecodeFn:
-    """A stand-in decoder: each image's first byte and this decoder's tag, noting the thread."""
-
-    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        import threading
-        import time
-
-        log.append((tag, threading.current_thread().name, len(datas)))
-        time.sleep(0.05)  # long enough for the halves to be seen running at the same time
-        return [torch.tensor([int(d[0]), tag]) for d in datas]
-
-    return decode
-
-
-def test_split_decoder_runs_both_halves_at_once_in_order() -> None:
-    import time
-
-    log: list[tuple[int, str, int]] = []
-    decode = gd.split_decoder(_tagged(1, log), _tagged(2, log), 0.43)
-    datas = [torch.tensor([i], dtype=torch.uint8) for i in range(100)]
-    t0 = time.perf_counter()
-    out = decode(datas, CPU)
-    took = time.perf_counter() - t0
-    assert [int(x[0]) for x in out] == list(range(100))  # the batch's order
-    assert [int(x[1]) for x in out] == [1] * 57 + [2] * 43  # 43 % to the second decoder
-    assert sorted((tag, n) for tag, _, n in log) == [(1, 57), (2, 43)]
-    assert {name for tag, name, _ in log if tag == 2} == {"featpool-decode-2_0"}
-    assert took < 0.09, took  # the two 50 ms halves overlapped (serially: >= 100 ms)
-    # One image: the first decoder alone.
-    log.clear()
-    assert [int(x[1]) for x in decode(datas[:1], CPU)] == [1] and len(log) == 1
-
-
-def test_split_decoder_waits_for_both_halves_when_one_fails() -> None:
-    log: list[tuple[int, str, int]] = []
-    decode = gd.split_decoder(cannot_decode(CPU), _tagged(2, log), 0.5)
-    with pytest.raises(RuntimeError, match="without JPEG support"):
-        decode([torch.tensor([i], dtype=torch.uint8) for i in range(4)], CPU)
-    assert log == [(2, "featpool-decode-2_0", 2)]  # the other half ran to its end first
-    # And a named split decoder fails start-up like any other that cannot decode.
-    with pytest.raises(RuntimeError, match="nvjpeg\\+nvimgcodec"):
-        JpegDecoder.create(CPU, "auto", "nvjpeg+nvimgcodec")

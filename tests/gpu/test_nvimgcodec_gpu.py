@@ -83,21 +83,3 @@ def test_server_with_nvimgcodec(tmp_path: Path) -> None:
         r = c.post("/v1/encode", files=files)
         assert r.status_code == 200, r.text
         assert len(r.json()["items"]) == 3
-
-
-def test_split_decoder_decodes_like_each_of_its_halves() -> None:
-    """``--decoder nvjpeg+nvimgcodec``: nvJPEG's share, then nvImageCodec's, in batch order,
-    each image as that library alone decodes it."""
-    pytest.importorskip("nvidia.nvimgcodec")
-    dev = torch.device("cuda")
-    both = JpegDecoder.create(dev, "auto", "nvjpeg+nvimgcodec")
-    nvimg = JpegDecoder.create(dev, "auto", "nvimgcodec")
-    nvjpeg = JpegDecoder.create(dev, "auto", "nvjpeg")
-    assert both is not None and nvimg is not None and nvjpeg is not None
-    datas = [frombytes(d) for d in photos() * 3]  # 9 images: 5 to nvJPEG, 4 to nvImageCodec
-    got = both.decode(datas)
-    torch.cuda.synchronize()
-    want = nvjpeg.decode(datas[:5]) + nvimg.decode(datas[5:])
-    for x, y in zip(got, want, strict=True):
-        assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-        assert torch.equal(x, y)
