@@ -946,5 +946,7 @@ class Engine:
             self.metrics.batch_size.observe(stats.size)
         for w in stats.queue_wait_s:
             self.metrics.queue_seconds.observe(w)
+        for stage, took in stats.stages.items():
+            self.metrics.stage_seconds.labels(stage).observe(took)
         if stats.skipped:
             self.metrics.images.labels("abandoned").inc(stats.skipped)

@@ -274,6 +274,14 @@ class Metrics(HttpMetrics):
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.stage_seconds = Histogram(
+            "featpool_batch_stage_seconds",
+            "Host time of one batch in each pipeline stage, on that stage's thread: prepare "
+            "(decode, preprocess) and run (forward launch, publish); the slower is the cycle",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.publish_seconds = Histogram(
             "featpool_publish_duration_seconds",
             "Host time to place one tensor in the pool",

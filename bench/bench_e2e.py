@@ -191,6 +191,10 @@ def scrape(base: str) -> dict[str, float]:
         for kind in ("sum", "count"):
             m = re.search(rf"^featpool_{name}_{kind} (\S+)$", text, re.M)
             out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
+    for kind, stage, v in re.findall(
+        r'^featpool_batch_stage_seconds_(sum|count){stage="(\w+)"} (\S+)$', text, re.M
+    ):
+        out[f"{stage}_stage_{kind}"] = float(v)
     for key, name in (("gpu", "gc_pause"), ("front", "front_gc_pause")):
         found = re.findall(
             rf'^featpool_{name}_seconds_total{{generation="(\d)"}} (\S+)$', text, re.M
@@ -328,7 +332,7 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     d = {k: b[k] - a.get(k, 0.0) for k in b}
 
     def mean(name: str, scale: float = 1.0) -> float:
-        n = d[f"{name}_count"]
+        n = d.get(f"{name}_count", 0.0)
         return d[f"{name}_sum"] / n * scale if n else float("nan")
 
     return {
@@ -337,6 +341,9 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         "encode_ms_per_batch": mean("encode_duration_seconds", 1e3),
         "publish_us": mean("publish_duration_seconds", 1e6),
         "mean_batch": mean("batch_size"),
+        # each pipeline stage's time per batch, in its thread: the slower one is the cycle
+        "prepare_ms_per_batch": mean("prepare_stage", 1e3),
+        "run_ms_per_batch": mean("run_stage", 1e3),
         # an encode job as the fronts see it (sent -> answered) and inside the GPU process
         "front_job_ms": mean("front_job_duration_seconds", 1e3),
         "gpu_job_ms": mean("job_duration_seconds", 1e3),
@@ -570,18 +577,20 @@ def main() -> None:
     nan = float("nan")
     print(
         "\n| server | body | img/req | conc | images/s | p50 ms | p99 ms | batch | "
-        "decode ms | queue ms | encode ms/batch | cores: GPU proc / fronts / clients / machine "
+        "decode ms | queue ms | encode ms/batch | stage ms/batch: prepare / run "
+        "| cores: GPU proc / fronts / clients / machine "
         "| GC ms/s: GPU proc / fronts | job ms: front / GPU proc | GPU busy %: SMs / JPEG "
         "| non-200 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bad = {k: v for k, v in r["status"].items() if k != "200"}
         print(
             f"| {r['server']} | {r['body']} | {r['images_per_request']} | {r['concurrency']} "
             f"| {r['images_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
             f"{r['mean_batch']:.1f} | {r['decode_ms']:.2f} | {r['queue_ms']:.1f} | "
-            f"{r['encode_ms_per_batch']:.1f} | {r.get('gpu_process_cores', nan):.1f} / "
+            f"{r['encode_ms_per_batch']:.1f} | {r.get('prepare_ms_per_batch', nan):.1f} / "
+            f"{r.get('run_ms_per_batch', nan):.1f} | {r.get('gpu_process_cores', nan):.1f} / "
             f"{r.get('fronts_cores', nan):.1f} / {r['client_cores']:.1f} / "
             f"{r.get('machine_cores', nan):.1f} | {r.get('gc_gpu_ms_per_s', nan):.1f} / "
             f"{r.get('gc_fronts_ms_per_s', nan):.1f} | {r.get('front_job_ms', nan):.1f} / "

@@ -203,3 +203,39 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
 
     assert asyncio.run(main()) == [[10, 20], [30, 40]]
     assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2], [3, 4]]
+
+
+def test_each_stage_reports_the_time_its_thread_spent_on_the_batch() -> None:
+    """The batch statistics carry each stage's own time (measured in its thread, for the
+    pipeline's cycle: the slower stage); without a prepare stage, only "run"."""
+    stats: list[BatchStats] = []
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        time.sleep(0.06)
+        return lambda: run_batch(values)
+
+    def run_batch(values: list[int]) -> list[int | BaseException]:
+        time.sleep(0.02)
+        return list(values)
+
+    async def main(with_prepare: bool) -> None:
+        b: Batcher[int, int] = Batcher(
+            run_batch,
+            max_batch_size=4,
+            max_wait_s=0.01,
+            queue_size=64,
+            prepare=prepare if with_prepare else None,
+            on_batch=stats.append,
+        )
+        b.start()
+        try:
+            assert await b.submit([1, 2]) == [1, 2]
+        finally:
+            await b.stop()
+
+    asyncio.run(main(True))
+    asyncio.run(main(False))
+    piped, plain = (s for s in stats if s.size)
+    assert set(piped.stages) == {"prepare", "run"} and set(plain.stages) == {"run"}
+    assert piped.stages["prepare"] >= 0.06 and piped.stages["run"] >= 0.02
+    assert plain.stages["run"] >= 0.02

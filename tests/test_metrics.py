@@ -75,6 +75,10 @@ def test_scripted_scenario_metrics(make_client: Callable[..., TestClient]) -> No
     assert value(m, "featpool_images_total", outcome="encoded") == 1 + 480 + 3
     assert value(m, "featpool_batch_size_sum") == 1 + 480 + 3 + 1
     assert value(m, "featpool_encode_duration_seconds_count") >= 1
+    batches = value(m, "featpool_batch_size_count")
+    assert batches >= 1  # every batch's stages timed, in the stage's own thread
+    assert value(m, "featpool_batch_stage_seconds_count", stage="run") == batches
+    assert value(m, "featpool_batch_stage_seconds_count", stage="prepare") in (0, batches)
     assert value(m, "featpool_decode_duration_seconds_count") == 1 + 480 + 3 + 1
     assert value(m, "featpool_request_duration_seconds_count", endpoint="/v1/encode") == 11
     assert value(m, "featpool_ready") == 1
