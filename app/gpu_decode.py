@@ -252,7 +252,9 @@ class JpegDecoder:
         try:
             return self._fused(datas, orientations, size)
         except (RuntimeError, torch.jit.Error) as e:  # TorchScript's is no RuntimeError
-            log.info("nvJPEG refused a batch of %d (%s); decoding one by one", len(datas), e)
+            # a JPEG nvJPEG refuses, or the device out of memory: the per-image path sorts it
+            last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+            log.info("one-call decode of a batch of %d failed (%s)", len(datas), last[0])
             return None
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
