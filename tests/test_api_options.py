@@ -61,3 +61,42 @@ def test_options_are_in_the_openapi_document(make_client: Callable[..., TestClie
     doc = make_client().get("/openapi.json").json()
     params = {p["name"] for p in doc["paths"]["/v1/encode"]["post"]["parameters"]}
     assert {"ttl_s", "pooled", "dtype"} <= params
+
+
+def test_requests_with_different_options_share_a_batch(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """Requests with different options land in one batch; the engine publishes each group of
+    rows (same form, dtype and TTL) as one tensor of rows. Each request still gets its own
+    image's features in the form, dtype and TTL it asked for."""
+    import concurrent.futures
+
+    c = make_client(max_batch_wait_ms=500.0, max_batch_size=8, feature_cache_entries=0)
+    images = [image_bytes("JPEG", seed=k) for k in range(5)]
+    queries = ["", "pooled=1", "pooled=1&dtype=bfloat16", "ttl_s=30", ""]
+    with concurrent.futures.ThreadPoolExecutor(len(images)) as ex:
+        futs = [
+            ex.submit(c.post, f"/v1/encode?{q}", content=img, headers=HEADERS)
+            for q, img in zip(queries, images, strict=True)
+        ]
+        answers = [f.result() for f in futs]
+    batches = c.get("/metrics").text
+    assert "featpool_batch_size_count 1.0" in batches, "the five requests did not share a batch"
+    refs = [
+        features(c, c.post("/v1/encode", content=img, headers=HEADERS).json()["items"][0])
+        for img in images
+    ]
+    want = [
+        ([17, 64], "float32", refs[0]),
+        ([64], "float32", refs[1].mean(0)),
+        ([64], "bfloat16", refs[2].mean(0)),
+        ([17, 64], "float32", refs[3]),
+        ([17, 64], "float32", refs[4]),  # in one group of rows with the first request's
+    ]
+    for r, (shape, dtype, ref) in zip(answers, want, strict=True):
+        assert r.status_code == 200, r.text
+        item = r.json()["items"][0]
+        assert item["shape"] == shape and item["dtype"] == dtype
+        assert torch.allclose(features(c, item).float(), ref, atol=2e-2, rtol=2e-2)
+    assert answers[3].json()["items"][0]["ttl_s"] == 30
+    assert not torch.allclose(refs[0], refs[4], atol=2e-2, rtol=2e-2)  # rows not mixed up
