@@ -645,22 +645,27 @@ def test_consumer_maps_read_only_waits_and_acks(
     assert_nothing_left(drv)
 
 
+def bytes_in_place_at_each_word(
+    drv: FakeDriver, pool: FeaturePool, tensors: list[torch.Tensor]
+) -> list[bool]:
+    """At each ready word the fake driver writes: whether every lease (in order) already
+    reads its tensor, i.e. all bytes were copied before any word."""
+    seen: list[bool] = []
+
+    def check() -> None:
+        reads = zip(pool.leases, tensors, strict=True)
+        seen.append(all(torch.equal(pool.read(lease.id), t) for lease, t in reads))
+
+    drv.on_write.append(check)
+    return seen
+
+
 def test_publish_many_copies_every_tensor_then_writes_each_ready_word() -> None:
     be, drv = make()
     pool = FeaturePool([be], max_leases=16)
     try:
         ts = [torch.full((7, 9), float(i)) for i in range(6)]
-        seen: list[bool] = []
-
-        def all_bytes_in_place() -> None:  # every tensor is copied before any ready write
-            seen.append(
-                all(
-                    torch.equal(pool.read(lease.id), t)
-                    for lease, t in zip(pool.leases, ts, strict=True)
-                )
-            )
-
-        drv.on_write.append(all_bytes_in_place)
+        seen = bytes_in_place_at_each_word(drv, pool, ts)
         n0 = len(drv.calls)
         leases = pool.put_many(ts)
         published = [c[0] for c in drv.calls[n0:]]
@@ -698,17 +703,7 @@ def test_put_many_of_rows_copies_every_row_then_writes_each_ready_word(
     pool = FeaturePool([be], max_leases=64)
     try:
         rows = torch.arange(12 * 200 * 256, dtype=torch.float32).reshape(12, 200, 256)
-        seen: list[bool] = []
-
-        def all_bytes_in_place() -> None:
-            seen.append(
-                all(
-                    torch.equal(pool.read(lease.id), row)
-                    for lease, row in zip(pool.leases, rows, strict=True)
-                )
-            )
-
-        drv.on_write.append(all_bytes_in_place)
+        seen = bytes_in_place_at_each_word(drv, pool, list(rows))
         n0 = len(drv.calls)
         leases = pool.put_many(rows)
         assert [c[0] for c in drv.calls[n0:]] == ["stream_write_values32"]
