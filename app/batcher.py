@@ -224,6 +224,11 @@ class Batcher(Generic[T, R]):
                 finally:
                     first.release()
                 async with self._turn:
+                    if all(i.future.done() for i in live):
+                        # Every requester went away while the batch was prepared or waited
+                        # for the batch thread: its second stage (the forward) is not run.
+                        self._on_batch(BatchStats(0, [], 0.0, len(batch), stages))
+                        return
                     results: Sequence[R | BaseException] = await loop.run_in_executor(
                         self._executor, _timed(second, stages, "run")
                     )

@@ -205,6 +205,54 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
     assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2], [3, 4]]
 
 
+def test_a_prepared_batch_whose_requesters_all_went_away_is_not_run() -> None:
+    """Batch 2 is prepared while batch 1 runs; its requester goes away before batch 1 ends.
+    Its second stage (the forward) is then never run, and the batch is counted as skipped."""
+    ran: list[list[int]] = []
+    prepared: list[list[int]] = []
+    stats: list[BatchStats] = []
+    gate = threading.Event()
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        prepared.append(list(values))
+        return lambda: run_batch(values)
+
+    def run_batch(values: list[int]) -> list[int | BaseException]:
+        ran.append(list(values))
+        assert gate.wait(5)
+        return list(values)
+
+    async def main() -> None:
+        b: Batcher[int, int] = Batcher(
+            run_batch,
+            max_batch_size=2,
+            max_wait_s=0.01,
+            queue_size=64,
+            prepare=prepare,
+            on_batch=stats.append,
+        )
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit([1, 2]))
+            while not ran:  # batch 1 is in its second stage, held
+                await asyncio.sleep(0.005)
+            second = asyncio.ensure_future(b.submit([3, 4]))
+            while len(prepared) < 2:  # batch 2 is prepared and waits for the batch thread
+                await asyncio.sleep(0.005)
+            second.cancel()
+            await asyncio.sleep(0.02)
+            gate.set()
+            assert await first == [1, 2]
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        finally:
+            await b.stop()
+
+    asyncio.run(main())
+    assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2]]
+    assert [(s.size, s.skipped) for s in stats] == [(2, 0), (0, 2)]
+
+
 def test_each_stage_reports_the_time_its_thread_spent_on_the_batch() -> None:
     """The batch statistics carry each stage's own time (measured in its thread, for the
     pipeline's cycle: the slower stage); without a prepare stage, only "run"."""
