@@ -22,7 +22,8 @@ assert len(items) == 1, items
 lease = items[0]
 assert lease["nbytes"] > 0 and lease["shape"], lease
 print(f"encoded: shape {lease['shape']} {lease['dtype']} via {lease['transport']}")
-delete = urllib.request.Request(url + "/v1/leases/" + lease["lease_id"], None, headers, method="DELETE")
+lease_url = url + "/v1/leases/" + lease["lease_id"]
+delete = urllib.request.Request(lease_url, None, headers, method="DELETE")
 with urllib.request.urlopen(delete, timeout=30) as r:
     assert r.status in (200, 204), r.status
 print("lease released")
