@@ -26,7 +26,7 @@ from app.featindex import FeatureIndex, content_digest, feature_hash, identity_d
 from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
-from app.preprocess import ImageSpec, orient
+from app.preprocess import ImageSpec, device_index, orient
 from app.settings import Settings
 from pool.descriptor import LeaseDescriptor
 from pool.errors import (
@@ -629,7 +629,7 @@ class Engine:
             x = torch.empty(len(ok), 3, size, size, device=self.device)
             row = {i: r for r, i in enumerate(ok)}
             for idx, part in parts:
-                x[torch.tensor([row[i] for i in idx], device=self.device)] = part
+                x[device_index([row[i] for i in idx], self.device)] = part
         return ok, (x - self._mean) / self._std, failed
 
     def _decode_preprocess(self, jobs: list[Job], idx: list[int], size: int) -> torch.Tensor | None:
@@ -753,7 +753,7 @@ class Engine:
             try:
                 x = feats
                 if len(rs) < len(idx):
-                    x = x[torch.tensor(rs, device=x.device)]
+                    x = x[device_index(rs, x.device)]
                 if pooled:
                     x = x.float().mean(1)
                 x = x.to(to)

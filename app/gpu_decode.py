@@ -18,7 +18,7 @@ from typing import Literal, cast
 import torch
 import torch.nn.functional as nnf
 
-from app.preprocess import orient
+from app.preprocess import device_index, orient
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def preprocess(images: list[torch.Tensor], orientations: list[int], size: int) -
         x = x.clamp_(0, 255).round_()
         if len(idx) == len(images):
             return x
-        out[torch.tensor(idx, device=x.device)] = x
+        out[device_index(idx, x.device)] = x
     return out
 
 

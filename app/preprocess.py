@@ -33,6 +33,15 @@ NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5
 _FILTERS = {NEAREST: "nearest", LANCZOS: "lanczos", BILINEAR: "bilinear", BICUBIC: "bicubic"}
 
 
+def device_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """``idx`` as a long tensor on ``device``, without waiting for the device. A blocking copy
+    from the host (``torch.tensor(idx, device=...)``) synchronises its stream, so the thread
+    preparing a batch would wait there for the kernels queued before it, which share the GPU
+    with the forward. From pageable memory the driver stages the bytes before the call
+    returns, so the list may be freed at once. TorchScript-compatible."""
+    return torch.tensor(idx, dtype=torch.long).to(device=device, non_blocking=True)
+
+
 def orient(x: torch.Tensor, orientation: int) -> torch.Tensor:
     """Apply an EXIF orientation to ``[..., H, W]`` as Pillow's ``exif_transpose`` does."""
     if orientation == 2:  # FLIP_LEFT_RIGHT
@@ -116,8 +125,9 @@ def rescale_normalize(
     way transformers fuses them (mean and std divided by the rescale factor)."""
     y = x.to(torch.float32)
     if mean is not None and std is not None:
-        m = torch.tensor(mean, device=x.device)
-        s = torch.tensor(std, device=x.device)
+        # not waiting for the device on the way, as device_index
+        m = torch.tensor(mean).to(x.device, non_blocking=True)
+        s = torch.tensor(std).to(x.device, non_blocking=True)
         if rescale is not None:
             m, s = m * (1.0 / rescale), s * (1.0 / rescale)
         return y.sub_(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
@@ -192,7 +202,7 @@ class ImageSpec:
                 return y
             if out is None:
                 out = torch.empty(len(upright), 3, oh, ow, device=y.device)
-            out[torch.tensor(idx, device=y.device)] = y
+            out[device_index(idx, y.device)] = y
         assert out is not None
         return out
 
