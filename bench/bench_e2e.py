@@ -512,6 +512,12 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=64, help="distinct JPEGs")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--height", type=int, default=768)
+    ap.add_argument(
+        "--mixed-shapes",
+        action="store_true",
+        help="photos of several aspect ratios (4:3, 3:4, 3:2, 16:9, 1:1, 2:3) with a long side "
+        "of --width, as users send them, instead of all --width x --height",
+    )
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured time per point")
     ap.add_argument("--client-procs", type=int, default=4, help="client processes, at least")
@@ -551,9 +557,13 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.time()
-    images = [photo_jpeg(i, args.width, args.height) for i in range(args.images)]
+    shapes = [(args.width, args.height)]
+    if args.mixed_shapes:
+        ratios = [(4, 3), (3, 4), (3, 2), (16, 9), (1, 1), (2, 3)]
+        shapes = [(args.width * w // max(w, h), args.width * h // max(w, h)) for w, h in ratios]
+    images = [photo_jpeg(i, *shapes[i % len(shapes)]) for i in range(args.images)]
     print(
-        f"{len(images)} JPEGs {args.width}x{args.height}, mean "
+        f"{len(images)} JPEGs {' '.join(f'{w}x{h}' for w, h in shapes)}, mean "
         f"{np.mean([len(i) for i in images]) / 1e3:.0f} KB, made in {time.time() - t0:.1f} s",
         flush=True,
     )
