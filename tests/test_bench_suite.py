@@ -1,6 +1,7 @@
 """The benchmark suite and its report, on the CPU and fast: the allocator sweep through the
 suite's own subprocess runner, a sweep that fails without taking the others down, the fresh-VMM
-baseline against the fake driver, and the report rendered from synthetic GPU + CPU results."""
+baseline against the fake driver, the report rendered from synthetic GPU + CPU results, and the
+job-channel bench through the real job server."""
 
 from __future__ import annotations
 
@@ -391,3 +392,20 @@ def test_report_renders_synthetic_gpu_and_cpu_results(tmp_path: Path) -> None:
     only_cpu = tmp_path / "cpu.md"
     report.render(cpu, cpu=None, md=only_cpu, img_dir=tmp_path / "img2")
     assert "GPU figures pending" in only_cpu.read_text()
+
+
+def test_job_channel_bench_runs_through_the_real_job_server() -> None:
+    """bench_job_channel.py drives the real JobServer and JobClient (it broke once when the
+    server started handing unread answers to the engine client's ``discard``)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "bench_job_channel.py"), "--images", "40", "--kb", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["mode"] for r in rows] == ["inline", "arena", "inline", "arena"]
+    assert all(r["images"] == 40 and r["gpu_process_cpu_us_per_image"] > 0 for r in rows)
