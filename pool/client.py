@@ -384,6 +384,9 @@ class FeatureClient:
             self._request({"op": "release", "lease_id": desc["lease_id"]})
             return
         slot, gen = int(desc["slot"]), int(desc["generation"])
+        # Read before the ack: once it lands, the producer may free the slot at once, and a
+        # read after it would report this very release as the lease having ended before.
+        ended = self._ctrl is not None and self._ctrl.gen(slot) != gen
         if self._transports.get(desc["tier"]) == "cuda_vmm":
             self._cuda.ack(slot, gen)
         elif self._acks is not None:
@@ -391,7 +394,7 @@ class FeatureClient:
         else:  # a tier this client has not mapped: release over the connection
             self._request({"op": "release", "lease_id": desc["lease_id"]})
             return
-        if self._ctrl is not None and self._ctrl.gen(slot) != gen:
+        if ended:
             raise StaleLease(f"lease {desc['lease_id']} had already ended (acked anyway)")
 
     def renew(self, lease: LeaseRef, ttl_s: float | None = None) -> dict[str, Any]:

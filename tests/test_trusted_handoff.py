@@ -178,6 +178,32 @@ def test_control_block_cannot_be_written_by_a_consumer(
         client.release(desc)
 
 
+def test_a_release_the_producer_acts_on_at_once_is_not_called_stale(
+    served: tuple[FeaturePool, HandoffServer, FakeClock],
+) -> None:
+    """The producer's reaper (another process) may free the slot as soon as the ack lands,
+    before the consumer's next instruction: a lease that was live when it was acked is not
+    reported as having already ended (bench/load_test.py hit this under load)."""
+    pool, server, _ = served
+    lease = pool.put(torch.randn(8))
+    desc = pool.describe(lease).wire()
+    with FeatureClient.connect(server.path) as client:
+        client.open(desc)
+        acks = client._acks
+        assert acks is not None
+        write_ack = acks.set_ack
+
+        def ack_then_reap(slot: int, gen: int) -> None:
+            write_ack(slot, gen)
+            assert pool.reap() == 1  # the reaper ran right after the ack landed
+
+        acks.set_ack = ack_then_reap  # type: ignore[method-assign]
+        client.release(desc)  # no StaleLease: it was live when acked
+        assert not client.is_current(desc)
+        with pytest.raises(LeaseReleased):
+            pool.get(lease.id)
+
+
 def test_each_consumer_gets_an_ack_block_of_its_own(
     served: tuple[FeaturePool, HandoffServer, FakeClock],
 ) -> None:
