@@ -83,12 +83,25 @@ def decode_preprocess(
 FusedFn = Callable[[list[torch.Tensor], list[int], int], torch.Tensor]
 
 
+def _current_stream_done(device: torch.device) -> None:
+    """Wait for the work queued on the current stream, before torchvision's nvJPEG runs.
+
+    It allocates its outputs on the current stream and writes them from a stream of its own,
+    without waiting for the current one. The caching allocator hands out a block as soon as it
+    is freed on its stream, even while kernels queued there have yet to read it; so the decoder
+    can overwrite memory that queued work (the previous batch's preprocessing, or its forward)
+    still reads (pytorch/vision#9606; torchcodec's decoder waits the same way,
+    meta-pytorch/torchcodec#1634). nvImageCodec's outputs are its own memory: no such wait."""
+    torch.cuda.current_stream(device).synchronize()
+
+
 def _torchvision_decoder(device: torch.device) -> DecodeFn:
     """nvJPEG through torchvision (batched; CUDA cores do the IDCT and colour conversion)."""
     _need_cuda(device)
     from torchvision.io import ImageReadMode, decode_jpeg
 
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        _current_stream_done(device)
         out = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
         return out if isinstance(out, list) else [out]
 
@@ -108,6 +121,7 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
     mode = ImageReadMode.RGB.value
 
     def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        _current_stream_done(device)
         return cast(torch.Tensor, compiled(datas, orientations, size, mode, device))
 
     return fused

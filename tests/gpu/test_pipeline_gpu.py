@@ -99,6 +99,37 @@ def test_one_call_decode_equals_decode_then_preprocess() -> None:
     assert dec.decode_preprocess([tensors[1], bad], [1, 1], 224) is None
 
 
+@pytest.mark.parametrize("call", ["decode", "decode_preprocess"])
+def test_nvjpeg_does_not_overwrite_memory_that_queued_work_still_reads(call: str) -> None:
+    """torchvision's nvJPEG allocates its outputs on the current stream and writes them from
+    a stream of its own (pytorch/vision#9606). Tensors freed on the current stream while reads
+    of them wait there behind a GPU sleep give their blocks to the decoder's next outputs;
+    without ``_current_stream_done`` it overwrites them before those reads run."""
+    from skimage import data as photos
+
+    dev = torch.device("cuda")
+    dec = JpegDecoder.create(dev, "on", "nvjpeg")
+    assert dec is not None
+    data = jpeg(photos.astronaut(), quality=90)  # 512 x 512: outputs of [3, 512, 512] uint8
+    datas = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _ in range(4)]
+    side = torch.cuda.Stream()
+    wrong = 0
+    with torch.cuda.stream(side):
+        for _ in range(8):
+            victims = [torch.ones(3, 512, 512, dtype=torch.uint8, device=dev) for _ in range(8)]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]
+            sums = [v.sum() for v in victims]  # queued behind the sleep
+            del victims  # their blocks are free on `side`, their reads still queued
+            if call == "decode":
+                assert all(isinstance(x, torch.Tensor) for x in dec.decode(datas))
+            else:
+                assert dec.decode_preprocess(datas, [1] * 4, 224) is not None
+            torch.cuda.synchronize()
+            wrong += sum(int(s) != 3 * 512 * 512 for s in sums)
+    assert wrong == 0
+
+
 def test_nvjpeg_refuses_only_the_bad_image() -> None:
     dec = JpegDecoder(torch.device("cuda"))
     good = jpeg(photo(256, 192))
