@@ -251,3 +251,59 @@ def test_repeat_upload_is_a_device_copy_on_the_gpu_tier(client: TestClient) -> N
         assert torch.equal(view.cpu(), want)
         pool.release(again)
     client.delete(f"/v1/leases/{first['lease_id']}")
+
+
+def test_features_under_concurrent_load_are_each_images_own(client: TestClient) -> None:
+    """Requests of one to three photos from 16 threads at once (batches of mixed shapes and
+    sizes, prepared beside the forward of the batch before): every lease's features are its
+    image's own, as encoded alone (cosine >= 0.995, closer than to any other photo's), so no
+    buffer of one batch is read after another batch reused it."""
+    import random
+
+    from skimage import data as photos
+
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    arrays = [photos.chelsea(), photos.coffee(), photos.astronaut(), photos.rocket()]
+    files = [jpeg(a, o, quality=90) for a, o in zip(arrays, [1, 6, 3, 8], strict=True)]
+    files += [jpeg(photos.coffee()[:, 100:500], quality=90), jpeg(photos.astronaut()[::2])]
+    headers = {"content-type": "image/jpeg"}
+
+    def features(item: dict[str, object]) -> torch.Tensor:
+        got = client.get(f"/v1/leases/{item['lease_id']}/tensor")
+        t = load(got.content)["features"].float().flatten()
+        assert client.delete(f"/v1/leases/{item['lease_id']}").status_code == 204
+        return t
+
+    entries, engine.index.max_entries = engine.index.max_entries, 0  # every upload encoded
+    try:
+        alone = []
+        for f in files:
+            r = client.post("/v1/encode?dtype=float32", content=f, headers=headers)
+            assert r.status_code == 200, r.text
+            alone.append(features(r.json()["items"][0]))
+
+        def one_client(seed: int) -> list[tuple[int, dict[str, object]]]:
+            rng = random.Random(seed)
+            out = []
+            for _ in range(12):
+                picks = [rng.randrange(len(files)) for _ in range(rng.choice([1, 1, 2, 3]))]
+                r = client.post(
+                    "/v1/encode?dtype=float32",
+                    files=[("image", (f"{i}.jpg", files[i], "image/jpeg")) for i in picks],
+                )
+                assert r.status_code == 200, r.text
+                out += list(zip(picks, r.json()["items"], strict=True))
+            return out
+
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            done = [x for part in ex.map(one_client, range(16)) for x in part]
+    finally:
+        engine.index.max_entries = entries
+    refs = torch.stack(alone)
+    worst = 1.0
+    for i, item in done:
+        cos = torch.nn.functional.cosine_similarity(features(item)[None], refs)
+        assert int(cos.argmax()) == i, (i, cos.tolist())
+        worst = min(worst, float(cos[i]))
+    print(f"{len(done)} leases under load; worst cosine to its image alone {worst:.5f}")
+    assert worst >= 0.995
