@@ -84,14 +84,16 @@ FusedFn = Callable[[list[torch.Tensor], list[int], int], torch.Tensor]
 
 
 def _current_stream_done(device: torch.device) -> None:
-    """Wait for the work queued on the current stream, before torchvision's nvJPEG runs.
+    """Wait for the work queued on the current stream, before a GPU decoder writes.
 
-    It allocates its outputs on the current stream and writes them from a stream of its own,
-    without waiting for the current one. The caching allocator hands out a block as soon as it
-    is freed on its stream, even while kernels queued there have yet to read it; so the decoder
-    can overwrite memory that queued work (the previous batch's preprocessing, or its forward)
-    still reads (pytorch/vision#9606; torchcodec's decoder waits the same way,
-    meta-pytorch/torchcodec#1634). nvImageCodec's outputs are its own memory: no such wait."""
+    torchvision's nvJPEG allocates its outputs on the current stream and writes them from a
+    stream of its own, without waiting for the current one. The caching allocator hands out a
+    block as soon as it is freed on its stream, even while kernels queued there have yet to
+    read it; so the decoder can overwrite memory that queued work (the previous batch's
+    preprocessing, or its forward) still reads (pytorch/vision#9606). nvJPEG's hardware engine
+    is reported not to wait for the stream it is given either (torchcodec's decoder waits like
+    this, meta-pytorch/torchcodec#1634), so nvImageCodec, which decodes with that engine into
+    memory of its own, waits too."""
     torch.cuda.current_stream(device).synchronize()
 
 
@@ -147,6 +149,7 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
 
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
+        _current_stream_done(device)
         stream = torch.cuda.current_stream(device).cuda_stream
         out = decoder.decode(streams, params=params, cuda_stream=stream)
         failed = [i for i, im in enumerate(out) if im is None]
