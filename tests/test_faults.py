@@ -264,4 +264,5 @@ def test_short_load_test_sees_429s_and_leaks_nothing(tmp_path: Path) -> None:
     assert not [s for s in res["status_counts"] if s.startswith("5")]
     assert res["final_occupancy"] == {"used_bytes": 0, "leases_active": 0}
     assert res["max_queue_depth"] <= 4
-    assert res["samples"] >= 5
+    # about one a second, fewer on a saturated machine: enough for the RSS check's thirds
+    assert res["samples"] >= 3
