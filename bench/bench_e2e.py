@@ -393,6 +393,7 @@ class Server(AppServer):
                 *extra,
             ],
             log,
+            root=args.server_root,
             port=args.port,
             start_timeout_s=args.start_timeout,
         )
@@ -551,6 +552,12 @@ def main() -> None:
         default="--max-batch-size 1 --max-batch-wait-ms 0 --gpu-decode off --decode-workers 1",
     )
     ap.add_argument("--server-args", nargs="*", default=[], help="passed to both servers")
+    ap.add_argument(
+        "--server-root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose server runs (another tree's, for a same-run comparison)",
+    )
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--py-spy", type=Path, help="profile the GPU process with py-spy into DIR")
@@ -613,7 +620,10 @@ def main() -> None:
         f"images/s, ratio {ratio:.1f}x"
     )
     if args.out:
-        args.out.write_text(json.dumps({"rows": rows, "best": best, "ratio": ratio}, indent=1))
+        served = {"server_root": str(args.server_root), "mixed_shapes": args.mixed_shapes}
+        args.out.write_text(
+            json.dumps({"rows": rows, "best": best, "ratio": ratio, **served}, indent=1)
+        )
 
 
 if __name__ == "__main__":
