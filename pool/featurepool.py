@@ -234,7 +234,7 @@ class FeaturePool:
             specimens = [rows[0]] * len(rows)
         deadline = self._deadline()
         results: list[Lease | PoolError] = []
-        checked: dict[int, torch.Tensor] = {}  # each tensor as published (not for rows)
+        checked: dict[int, torch.Tensor] = {}  # each tensor as checked (not for rows)
         placed: dict[str, list[tuple[Lease, int]]] = {}  # by tier name: (lease, which tensor)
         inline: list[tuple[Lease, int]] = []
         for n, given in enumerate(specimens):
@@ -255,22 +255,20 @@ class FeaturePool:
             else:
                 inline.append((lease, n))
         leases = [r for r in results if isinstance(r, Lease)]
+        unbound: list[torch.Tensor] = []
+
+        def published(n: int) -> torch.Tensor:
+            """Tensor n as published; of ``rows``, a row (unbound once, only where needed)."""
+            if rows is None:
+                return checked[n]
+            if not unbound:
+                unbound.extend(rows.unbind(0))
+            return unbound[n]
+
         try:
             for name, items in placed.items():
-                backend = self.tier(name).backend
-                if rows is not None and len(items) > 1 and hasattr(backend, "publish_rows"):
-                    backend.publish_rows(
-                        [(lease.extent, n, lease.slot, lease.generation) for lease, n in items],
-                        rows,
-                        self.ctrl,
-                    )
-                    continue
-                if rows is not None and not checked:
-                    checked = dict(enumerate(rows.unbind(0)))  # rows of a checked tensor
-                self._publish(self.tier(name), [(lease, checked[n]) for lease, n in items])
-            if rows is not None and inline and not checked:
-                checked = dict(enumerate(rows.unbind(0)))
-            self._fill_inline([(lease, checked[n]) for lease, n in inline])
+                self._publish(self.tier(name), items, published, rows)
+            self._fill_inline([(lease, published(n)) for lease, n in inline])
         except BaseException:
             self._undo(leases)
             raise
@@ -287,18 +285,36 @@ class FeaturePool:
             tensor = tensor.detach()
         return tensor.contiguous()
 
-    def _publish(self, tier: Tier, items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
-        """Copy reserved leases' tensors into their tier and set their ready words."""
+    def _publish(
+        self,
+        tier: Tier,
+        items: Sequence[tuple[Lease, int]],
+        tensor: Callable[[int], torch.Tensor],
+        rows: torch.Tensor | None,
+    ) -> None:
+        """Copy reserved leases' tensors (item n's is ``tensor(n)``, row n of ``rows`` when the
+        batch came as one tensor) into their tier and set their ready words: all in one go
+        where the backend can (``publish_rows``, ``publish_many``), else one by one."""
         backend = tier.backend
-        publish_many = getattr(backend, "publish_many", None)
-        if publish_many is not None and len(items) > 1:
-            publish_many(
-                [(lease.extent, t, lease.slot, lease.generation) for lease, t in items], self.ctrl
-            )
-            return
-        for lease, t in items:
+        if len(items) > 1:
+            publish_rows = getattr(backend, "publish_rows", None)
+            if rows is not None and publish_rows is not None:
+                publish_rows(
+                    [(lease.extent, n, lease.slot, lease.generation) for lease, n in items],
+                    rows,
+                    self.ctrl,
+                )
+                return
+            publish_many = getattr(backend, "publish_many", None)
+            if publish_many is not None:
+                publish_many(
+                    [(lease.extent, tensor(n), lease.slot, lease.generation) for lease, n in items],
+                    self.ctrl,
+                )
+                return
+        for lease, n in items:
             assert lease.extent is not None
-            backend.publish(lease.extent, t, self.ctrl, lease.slot, lease.generation)
+            backend.publish(lease.extent, tensor(n), self.ctrl, lease.slot, lease.generation)
 
     @staticmethod
     def _fill_inline(items: Sequence[tuple[Lease, torch.Tensor]]) -> None:
