@@ -93,7 +93,7 @@ def _current_stream_done(device: torch.device) -> None:
     preprocessing, or its forward) still reads (pytorch/vision#9606). nvJPEG's hardware engine
     is reported not to wait for the stream it is given either (torchcodec's decoder waits like
     this, meta-pytorch/torchcodec#1634), so nvImageCodec, which decodes with that engine into
-    memory of its own, waits too."""
+    memory of its own, waits too. ``JpegDecoder`` waits before each of its decode calls."""
     torch.cuda.current_stream(device).synchronize()
 
 
@@ -103,7 +103,6 @@ def _torchvision_decoder(device: torch.device) -> DecodeFn:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        _current_stream_done(device)
         out = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
         return out if isinstance(out, list) else [out]
 
@@ -123,7 +122,6 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
     mode = ImageReadMode.RGB.value
 
     def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
-        _current_stream_done(device)
         return cast(torch.Tensor, compiled(datas, orientations, size, mode, device))
 
     return fused
@@ -149,7 +147,6 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
 
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
-        _current_stream_done(device)
         stream = torch.cuda.current_stream(device).cuda_stream
         out = decoder.decode(streams, params=params, cuda_stream=stream)
         failed = [i for i, im in enumerate(out) if im is None]
@@ -258,6 +255,10 @@ class JpegDecoder:
                 log.warning("%s: one-call decode and preprocess failed (%s)", self.name, e)
                 self._fused = None
 
+    def _stream_done(self) -> None:
+        if self.device.type == "cuda":
+            _current_stream_done(self.device)
+
     def decode_preprocess(
         self, datas: list[torch.Tensor], orientations: list[int], size: int
     ) -> torch.Tensor | None:
@@ -266,6 +267,7 @@ class JpegDecoder:
         image, and the caller preprocesses)."""
         if self._fused is None:
             return None
+        self._stream_done()
         try:
             return self._fused(datas, orientations, size)
         except (RuntimeError, torch.jit.Error) as e:  # TorchScript's is no RuntimeError
@@ -276,6 +278,7 @@ class JpegDecoder:
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         """``[3, H, W]`` uint8 tensors on the device, or the exception of each failed image."""
+        self._stream_done()  # (the retries below free nothing with reads still queued)
         try:
             return list(self._decode(datas, self.device))
         except RuntimeError as e:

@@ -131,3 +131,31 @@ def test_a_named_decoder_is_reported_by_the_server(
     r = c.post("/v1/encode", content=jpeg(photo(64, 48)), headers={"content-type": "image/jpeg"})
     assert r.status_code == 200, r.text
     assert calls == [1]
+
+
+def test_each_gpu_decode_call_waits_for_the_current_stream_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decoders write from streams of their own into memory that work queued on ours may
+    still read (pytorch/vision#9606): a CUDA JpegDecoder waits for its current stream before
+    each decode and each one-call decode, retries included; on the CPU it has nothing to wait
+    for. (The race itself: tests/gpu/test_pipeline_gpu.py.)"""
+    calls: list[str] = []
+    monkeypatch.setattr(gd, "_current_stream_done", lambda device: calls.append("wait"))
+
+    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        calls.append(f"decode {len(datas)}")
+        return [torch.zeros(3, 2, 2, dtype=torch.uint8) for _ in datas]
+
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        calls.append(f"fused {len(datas)}")
+        return torch.zeros(len(datas), 3, size, size)
+
+    data = torch.zeros(4, dtype=torch.uint8)
+    dec = JpegDecoder(torch.device("cuda"), decode, "nvjpeg", fused)  # stand-ins: no CUDA used
+    dec.decode([data, data])
+    assert dec.decode_preprocess([data] * 3, [1] * 3, 8) is not None
+    assert calls == ["wait", "decode 2", "wait", "fused 3"]
+    calls.clear()
+    JpegDecoder(CPU, decode, "nvjpeg", fused).decode([data])
+    assert calls == ["decode 1"]
