@@ -16,6 +16,7 @@ What happens before (Pillow decode, EXIF orientation, RGB conversion) is ``app.i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Sequence
@@ -125,15 +126,26 @@ def rescale_normalize(
     way transformers fuses them (mean and std divided by the rescale factor)."""
     y = x.to(torch.float32)
     if mean is not None and std is not None:
-        # not waiting for the device on the way, as device_index
-        m = torch.tensor(mean).to(x.device, non_blocking=True)
-        s = torch.tensor(std).to(x.device, non_blocking=True)
-        if rescale is not None:
-            m, s = m * (1.0 / rescale), s * (1.0 / rescale)
-        return y.sub_(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
+        m, s = _normalisation(tuple(mean), tuple(std), rescale, x.device)
+        return y.sub_(m).div_(s)
     if rescale is not None:
         return y * rescale
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _normalisation(
+    mean: tuple[float, ...], std: tuple[float, ...], rescale: float | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rescale_normalize``'s mean and std as ``[C, 1, 1]`` float32 on ``device``, divided by
+    the rescale factor; made once per processor and device rather than per batch (or per
+    image, for Qwen's patches). The copy that makes them waits for it, once, so any stream
+    may read them after; nothing writes them."""
+    m = torch.tensor(mean, dtype=torch.float32)
+    s = torch.tensor(std, dtype=torch.float32)
+    if rescale is not None:
+        m, s = m * (1.0 / rescale), s * (1.0 / rescale)
+    return m.view(-1, 1, 1).to(device), s.view(-1, 1, 1).to(device)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """On the GPU: preparing a batch of photos of several shapes does not wait for the device.
 
-Images of one shape are resized together and scattered into their rows; the row indices and
-the normalisation constants go to the device without a blocking copy from the host, which
-synchronises the stream: the thread preparing batch N+1 would wait there for kernels that share
-the GPU with batch N's forward. torch's sync debug mode makes every synchronising call an
-error, so each test fails with ``torch.tensor(..., device=...)`` in those places."""
+Images of one shape are resized together and scattered into their rows; the row indices go
+to the device without a blocking copy from the host, which synchronises the stream: the thread
+preparing batch N+1 would wait there for kernels that share the GPU with batch N's forward
+(the normalisation constants are made once, by the first call, and reused). torch's sync debug
+mode makes every synchronising call an error, so each test fails with
+``torch.tensor(..., device=...)`` in those places."""
 
 from __future__ import annotations
 
