@@ -279,8 +279,9 @@ class CpuSampler:
 
 class GpuSampler:
     """``nvidia-smi``'s utilisation of GPU 0 every 250 ms, on a thread: the share of time a
-    kernel ran (SMs) and the JPEG engines' (nvImageCodec's hardware decoder), averaged over
-    the clients' window afterwards. Without nvidia-smi, nothing."""
+    kernel ran (SMs) and the JPEG engines' (the hardware decoder that torchvision's batched
+    nvJPEG and nvImageCodec both drive), averaged over the clients' window afterwards.
+    Without nvidia-smi, nothing."""
 
     FIELDS = ("sm", "jpeg")
 
