@@ -80,7 +80,18 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+# Hardware work queues the CUDA driver gives this process's streams (its default is 8). With 8,
+# the decoders' own streams (nvJPEG's and nvImageCodec's many small per-image copies and
+# kernels, each waited for) can share a queue with the encoder's stream and wait behind whole
+# forwards: on the H200 a batched decode beside the ViT-B/16 forward loop ran at ~1,970
+# images/s with 8 and ~11,600 with 32 (docs/benchmarks.md, "Sixth session"). The driver reads
+# the variable once, when the context is made, so it is set before anything touches CUDA; a
+# value in the environment is kept.
+CUDA_CONNECTIONS = "32"
+
+
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_CONNECTIONS)
     try:
         settings = CliApp.run(CliSettings, cli_args=sys.argv[1:] if argv is None else argv)
     except ValidationError as e:
