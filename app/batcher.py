@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -71,16 +71,27 @@ class Batcher(Generic[T, R]):
         queue_size: int,
         discard: Callable[[R], None] = lambda _: None,
         on_batch: Callable[[BatchStats], None] = lambda _: None,
-        in_flight: int = 2,
+        in_flight: int | None = None,
         prepare: Callable[[list[T]], Callable[[], Sequence[R | BaseException]]] | None = None,
+        prepare_threads: int = 1,
     ) -> None:
         self._run_batch = run_batch
-        # An optional first stage (the engine's decode), on a thread of its own: batch N+1 is
-        # prepared while batch N runs. It returns the second stage, which then runs in place
-        # of run_batch on the batch thread (dropped, with what it holds, if the batch is not run).
+        # An optional first stage (the engine's decode), on threads of its own: batch N+1 (and
+        # with more prepare threads, N+2...) is prepared while batch N runs. It returns the
+        # second stage, which then runs in place of run_batch on the batch thread, batches in
+        # the order they were gathered (dropped, with what it holds, if the batch is not run).
+        if prepare_threads < 1:
+            raise ValueError("prepare_threads must be at least 1")
         self._prepare = prepare
-        self._prep_turn = asyncio.Lock()
-        self._prep_executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-prepare")
+        self.prepare_threads = prepare_threads
+        self._prep_turn = asyncio.Semaphore(prepare_threads)
+        self._prep_executor = ThreadPoolExecutor(
+            prepare_threads, thread_name_prefix="featpool-prepare"
+        )
+        # The previous batch's place in the batch thread's order: done once it has its turn.
+        self._order: asyncio.Future[None] | None = None
+        if in_flight is None:  # one batch running, one being prepared per prepare thread
+            in_flight = 1 + (prepare_threads if prepare is not None else 1)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.queue_size = queue_size
@@ -158,7 +169,9 @@ class Batcher(Generic[T, R]):
             except BaseException:
                 self._slots.release()
                 raise
-            task = asyncio.get_running_loop().create_task(self._run(batch))
+            loop = asyncio.get_running_loop()
+            after, self._order = self._order, loop.create_future()
+            task = loop.create_task(self._run(batch, after, self._order))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
@@ -176,38 +189,71 @@ class Batcher(Generic[T, R]):
             batch.append(self._queue.get_nowait())
         return batch
 
-    async def _run(self, batch: list[_Item[T, R]]) -> None:
+    async def _run(
+        self,
+        batch: list[_Item[T, R]],
+        after: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+    ) -> None:
         try:
-            # With a prepare stage, the first stage's turn is taken in _run_live instead.
-            async with self._turn if self._prepare is None else contextlib.nullcontext():
-                await self._run_live(batch)
+            if self._prepare is None:
+                async with self._turn:  # batches are gathered while the previous one runs
+                    mine.set_result(None)
+                    await self._run_live(batch, None, None)
+            else:  # the turns are taken in _run_items: a prepare thread's, the batch thread's
+                await self._run_live(batch, after, mine)
         finally:
+            if not mine.done():
+                mine.set_result(None)
             self._slots.release()
 
-    async def _run_live(self, batch: list[_Item[T, R]]) -> None:
+    async def _run_live(
+        self,
+        batch: list[_Item[T, R]],
+        after: asyncio.Future[None] | None,
+        mine: asyncio.Future[None] | None,
+    ) -> None:
         first = self._prep_turn if self._prepare is not None else None
         if first is not None:
             await first.acquire()
-        # Looked at when the (first) batch thread is free, so a request cancelled while its
-        # batch waited for the previous one is skipped, not run.
+        # Looked at when a (prepare) thread is free, so a request cancelled while its batch
+        # waited for the previous one is skipped, not run.
         live = [i for i in batch if not i.future.done()]
+        if not live:
+            if first is not None:
+                first.release()
+            self._on_batch(BatchStats(0, [], 0.0, len(batch)))
+            return
         for i in live:
             i.running = asyncio.Event()
         try:
-            await self._run_items(batch, live, first)
+            await self._run_items(batch, live, first, after, mine)
         finally:
-            if first is not None and first.locked() and not live:
-                first.release()
             for i in live:
                 assert i.running is not None
                 i.running.set()
 
+    @contextlib.asynccontextmanager
+    async def _batch_turn(
+        self, after: asyncio.Future[None] | None, mine: asyncio.Future[None] | None
+    ) -> AsyncIterator[None]:
+        """The batch thread's turn, taken after the batch gathered before this one took its
+        own: a batch prepared sooner on another prepare thread waits for it."""
+        if after is not None:
+            await after
+        async with self._turn:
+            if mine is not None and not mine.done():
+                mine.set_result(None)
+            yield
+
     async def _run_items(
-        self, batch: list[_Item[T, R]], live: list[_Item[T, R]], first: asyncio.Lock | None
+        self,
+        batch: list[_Item[T, R]],
+        live: list[_Item[T, R]],
+        first: asyncio.Semaphore | None,
+        after: asyncio.Future[None] | None,
+        mine: asyncio.Future[None] | None,
     ) -> None:
-        if not live:
-            self._on_batch(BatchStats(0, [], 0.0, len(batch)))
-            return
         started = time.perf_counter()
         waits = [started - i.enqueued for i in live]
         loop = asyncio.get_running_loop()
@@ -223,7 +269,7 @@ class Batcher(Generic[T, R]):
                     )
                 finally:
                     first.release()
-                async with self._turn:
+                async with self._batch_turn(after, mine):
                     if all(i.future.done() for i in live):
                         # Every requester went away while the batch was prepared or waited
                         # for the batch thread: its second stage (the forward) is not run.

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import functools
 import logging
+import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -157,7 +158,8 @@ class Engine:
         # identity_digest per (pooled, dtype): the encoder is fixed once started, and the JSON
         # and hash of its identity were ~9 % of the event loop's time per request
         self._identity_digests: dict[tuple[bool, torch.dtype | None], bytes] = {}
-        self._decode_stream: Any = None  # CUDA: decode and preprocess run on their own
+        # CUDA: decode and preprocess run on streams of their own, one per prepare thread
+        self._decode_streams: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     @property
     def decoder_name(self) -> str:
@@ -207,8 +209,9 @@ class Engine:
         )
         self.server.start()
         self._start_remote()
-        if self.device.type == "cuda":
-            self._decode_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        if self.device.type == "cuda":  # one per prepare thread, taken for a batch
+            for _ in range(s.prepare_threads):
+                self._decode_streams.put(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
         self.jpeg = await asyncio.to_thread(
             JpegDecoder.create, self.device, s.gpu_decode, s.decoder
         )
@@ -245,6 +248,7 @@ class Engine:
             discard=self._discard,
             on_batch=self._observe_batch,
             prepare=self._prepare_batch,
+            prepare_threads=s.prepare_threads,
         )
         self.batcher.start()
         self.ready = True
@@ -677,7 +681,8 @@ class Engine:
         the event recorded here. Returns stage two, ``_run_batch`` with what was prepared."""
         if self.encoder is None or is_dynamic(self.encoder):  # it decodes in _run_dynamic
             return functools.partial(self._run_batch, jobs)
-        side = self._decode_stream
+        # (never waits: the batcher runs at most one batch per stream here at a time)
+        side = self._decode_streams.get() if self.device.type == "cuda" else None
         prepared: Prepared | BaseException
         try:
             if side is None:
@@ -692,6 +697,9 @@ class Engine:
                 prepared = (ok, x, failed, ready)
         except Exception as e:  # _run_batch reports it like its own errors
             prepared = e
+        finally:
+            if side is not None:
+                self._decode_streams.put(side)
         return functools.partial(self._run_batch, jobs, prepared)
 
     def _run_batch(

@@ -11,6 +11,7 @@ orientation, crop, antialiased resize) is tested on the CPU against Pillow.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Literal, cast
@@ -145,10 +146,16 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
         sample_format=nvimgcodec.SampleFormat.P_RGB,
     )
 
+    # nvImageCodec's types are not all thread safe (its "Thread Safety" note), and with
+    # --prepare-threads above 1 two threads decode: one call at a time, as torchvision's
+    # decoder does with a mutex of its own.
+    lock = threading.Lock()
+
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
         stream = torch.cuda.current_stream(device).cuda_stream
-        out = decoder.decode(streams, params=params, cuda_stream=stream)
+        with lock:
+            streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
+            out = decoder.decode(streams, params=params, cuda_stream=stream)
         failed = [i for i, im in enumerate(out) if im is None]
         if failed:  # JpegDecoder.decode retries one by one: each failure fails alone
             raise RuntimeError(f"nvImageCodec could not decode image(s) {failed} of {len(out)}")

@@ -166,6 +166,14 @@ class Settings(BaseSettings):
         "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); auto: the first "
         "GPU one that works, else pillow. A named one that does not work stops start-up",
     )
+    prepare_threads: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="threads that decode and preprocess batches (each on a CUDA stream of its "
+        "own) while the batch thread runs the encoder; the batch thread still takes batches in "
+        "order. More than one lets the next batches' decode overlap each other's preprocessing",
+    )
     max_batch_size: int = Field(32, gt=0, description="largest encoder batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
     queue_size: int = Field(

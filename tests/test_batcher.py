@@ -205,6 +205,86 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
     assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2], [3, 4]]
 
 
+def test_two_prepare_threads_prepare_two_batches_at_once_and_run_them_in_order() -> None:
+    """With ``prepare_threads=2`` two batches are prepared at the same time (each prepare
+    waits for the other at a barrier: with one thread it would time out), and although batch
+    2 is ready first, the batch thread runs batch 1 first: the order they were gathered."""
+    both = threading.Barrier(2, timeout=5)
+    ran: list[list[int]] = []
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        both.wait()
+        if values[0] == 1:
+            time.sleep(0.1)  # batch 1 is ready last
+        return lambda: run_batch(values)
+
+    def run_batch(values: list[int]) -> list[int | BaseException]:
+        ran.append(list(values))
+        return [v * 10 for v in values]
+
+    async def main() -> list[list[int]]:
+        b: Batcher[int, int] = Batcher(
+            run_batch,
+            max_batch_size=2,
+            max_wait_s=0.01,
+            queue_size=64,
+            prepare=prepare,
+            prepare_threads=2,
+        )
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit([1, 2]))
+            await asyncio.sleep(0.02)
+            second = asyncio.ensure_future(b.submit([3, 4]))
+            return [await first, await second]
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == [[10, 20], [30, 40]]
+    assert ran == [[1, 2], [3, 4]]
+
+
+def test_a_batch_given_up_while_prepared_does_not_hold_up_the_next() -> None:
+    """Two prepare threads; batch 1's requester goes away while it is prepared (and its
+    forward is never run): batch 2, waiting for batch 1's turn, runs all the same."""
+    release = threading.Event()
+    ran: list[list[int]] = []
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        if values[0] == 1:
+            assert release.wait(5)
+        return lambda: run_batch(values)
+
+    def run_batch(values: list[int]) -> list[int | BaseException]:
+        ran.append(list(values))
+        return list(values)
+
+    async def main() -> list[int]:
+        b: Batcher[int, int] = Batcher(
+            run_batch,
+            max_batch_size=2,
+            max_wait_s=0.01,
+            queue_size=64,
+            prepare=prepare,
+            prepare_threads=2,
+        )
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit([1, 2]))
+            await asyncio.sleep(0.05)  # batch 1 is being prepared, held
+            second = asyncio.ensure_future(b.submit([3, 4]))
+            await asyncio.sleep(0.05)  # batch 2 is prepared and waits for batch 1's turn
+            assert not second.done()
+            first.cancel()
+            release.set()
+            return await asyncio.wait_for(second, 5)
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == [3, 4]
+    assert ran == [[3, 4]]
+
+
 def test_a_prepared_batch_whose_requesters_all_went_away_is_not_run() -> None:
     """Batch 2 is prepared while batch 1 runs; its requester goes away before batch 1 ends.
     Its second stage (the forward) is then never run, and the batch is counted as skipped."""

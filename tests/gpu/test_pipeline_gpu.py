@@ -29,8 +29,7 @@ pytestmark = [
 log = logging.getLogger(__name__)
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+def _serve(tmp_path_factory: pytest.TempPathFactory, **extra: object) -> Iterator[TestClient]:
     sock = tmp_path_factory.mktemp("sock") / "featpool.sock"
     base = dict(
         device="cuda",
@@ -42,6 +41,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         max_batch_size=32,
         max_batch_wait_ms=20.0,
         gpu_decode="on",
+        **extra,
     )
     last: Exception | None = None
     for transport in ("cuda_vmm", "host_shm"):
@@ -57,6 +57,16 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         c.__exit__(None, None, None)
         return
     raise AssertionError(f"no transport started: {last}")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    yield from _serve(tmp_path_factory)
+
+
+@pytest.fixture
+def client_two_prepare_threads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    yield from _serve(tmp_path_factory, prepare_threads=2)
 
 
 def test_nvjpeg_decode_equals_pillow() -> None:
@@ -253,12 +263,18 @@ def test_repeat_upload_is_a_device_copy_on_the_gpu_tier(client: TestClient) -> N
     client.delete(f"/v1/leases/{first['lease_id']}")
 
 
-def test_features_under_concurrent_load_are_each_images_own(client: TestClient) -> None:
+@pytest.mark.parametrize("server", ["client", "client_two_prepare_threads"])
+def test_features_under_concurrent_load_are_each_images_own(
+    server: str, request: pytest.FixtureRequest
+) -> None:
     """Requests of one to three photos from 16 threads at once (batches of mixed shapes and
-    sizes, prepared beside the forward of the batch before): every lease's features are its
-    image's own, as encoded alone (cosine >= 0.995, closer than to any other photo's), so no
-    buffer of one batch is read after another batch reused it."""
+    sizes, prepared beside the forward of the batch before; with ``--prepare-threads 2`` two
+    batches at once, on two streams): every lease's features are its image's own, as encoded
+    alone (cosine >= 0.995, closer than to any other photo's), so no buffer of one batch is
+    read after another batch reused it."""
     import random
+
+    client: TestClient = request.getfixturevalue(server)
 
     from skimage import data as photos
 
