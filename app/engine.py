@@ -681,7 +681,7 @@ class Engine:
         the event recorded here. Returns stage two, ``_run_batch`` with what was prepared."""
         if self.encoder is None or is_dynamic(self.encoder):  # it decodes in _run_dynamic
             return functools.partial(self._run_batch, jobs)
-        # (never waits: the batcher runs at most one batch per stream here at a time)
+        # (never waits: the batcher prepares at most as many batches at once as there are streams)
         side = self._decode_streams.get() if self.device.type == "cuda" else None
         prepared: Prepared | BaseException
         try:
