@@ -126,12 +126,19 @@ def test_client_disconnecting_mid_upload_leaks_nothing(
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_requests_cancelled_while_queued_or_encoding_leak_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prepare_threads", [1, 2])
+def test_requests_cancelled_while_queued_or_encoding_leak_nothing(
+    tmp_path: Path, prepare_threads: int
+) -> None:
     """Cancel requests in the engine (as a dropped connection does to its handler task): those
-    still queued are skipped, those whose batch is running have their leases released."""
+    still queued or prepared are skipped, those whose batch is running have their leases
+    released; with two prepare threads as with one."""
     gate = threading.Event()  # the first batch encodes until the cancels are in
     slow = SlowEncoder(0.0, gate)
-    app = create_app(small_settings(tmp_path, max_batch_size=2, queue_size=64), encoder=slow)
+    settings = small_settings(
+        tmp_path, max_batch_size=2, queue_size=64, prepare_threads=prepare_threads
+    )
+    app = create_app(settings, encoder=slow)
     engine = app.state.engine
 
     async def scenario() -> tuple[list[Any], dict[str, Any]]:
