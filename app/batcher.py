@@ -196,11 +196,8 @@ class Batcher(Generic[T, R]):
         mine: asyncio.Future[None],
     ) -> None:
         try:
-            if self._prepare is None:
-                async with self._turn:  # batches are gathered while the previous one runs
-                    mine.set_result(None)
-                    await self._run_live(batch, None, None)
-            else:  # the turns are taken in _run_items: a prepare thread's, the batch thread's
+            # With a prepare stage, the turns are taken in _run_live and _run_items instead.
+            async with self._turn if self._prepare is None else contextlib.nullcontext():
                 await self._run_live(batch, after, mine)
         finally:
             if not mine.done():
@@ -211,7 +208,7 @@ class Batcher(Generic[T, R]):
         self,
         batch: list[_Item[T, R]],
         after: asyncio.Future[None] | None,
-        mine: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
     ) -> None:
         first = self._prep_turn if self._prepare is not None else None
         if first is not None:
@@ -235,15 +232,14 @@ class Batcher(Generic[T, R]):
 
     @contextlib.asynccontextmanager
     async def _batch_turn(
-        self, after: asyncio.Future[None] | None, mine: asyncio.Future[None] | None
+        self, after: asyncio.Future[None] | None, mine: asyncio.Future[None]
     ) -> AsyncIterator[None]:
         """The batch thread's turn, taken after the batch gathered before this one took its
         own: a batch prepared sooner on another prepare thread waits for it."""
         if after is not None:
             await after
         async with self._turn:
-            if mine is not None and not mine.done():
-                mine.set_result(None)
+            mine.set_result(None)
             yield
 
     async def _run_items(
@@ -252,7 +248,7 @@ class Batcher(Generic[T, R]):
         live: list[_Item[T, R]],
         first: asyncio.Semaphore | None,
         after: asyncio.Future[None] | None,
-        mine: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
     ) -> None:
         started = time.perf_counter()
         waits = [started - i.enqueued for i in live]
