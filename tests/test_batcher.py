@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,22 @@ def test_submit_after_stop_is_not_ready() -> None:
     asyncio.run(main())
 
 
+Prepare = Callable[[list[int]], Callable[[], list[int | BaseException]]]
+
+
+def piped(
+    run_batch: Callable[[list[int]], list[int | BaseException]],
+    prepare: Prepare,
+    **kw: Any,
+) -> Batcher[int, int]:
+    """A started two-stage batcher of batches of two (a prepare stage, then run_batch)."""
+    b: Batcher[int, int] = Batcher(
+        run_batch, max_batch_size=2, max_wait_s=0.01, queue_size=64, prepare=prepare, **kw
+    )
+    b.start()
+    return b
+
+
 def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
     """With a prepare stage (the engine's decode), batch N+1 is prepared on its own thread
     while batch N runs: run_batch(N) here waits until prepare(N+1) has started, which would
@@ -189,10 +206,7 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
         return [v * 10 for v in values]
 
     async def main() -> list[list[int]]:
-        b: Batcher[int, int] = Batcher(
-            run_batch, max_batch_size=2, max_wait_s=0.01, queue_size=64, prepare=prepare
-        )
-        b.start()
+        b = piped(run_batch, prepare)
         try:
             first = asyncio.ensure_future(b.submit([1, 2]))
             await asyncio.sleep(0.05)  # batch 1 is in run_batch, waiting
@@ -223,15 +237,7 @@ def test_two_prepare_threads_prepare_two_batches_at_once_and_run_them_in_order()
         return [v * 10 for v in values]
 
     async def main() -> list[list[int]]:
-        b: Batcher[int, int] = Batcher(
-            run_batch,
-            max_batch_size=2,
-            max_wait_s=0.01,
-            queue_size=64,
-            prepare=prepare,
-            prepare_threads=2,
-        )
-        b.start()
+        b = piped(run_batch, prepare, prepare_threads=2)
         try:
             first = asyncio.ensure_future(b.submit([1, 2]))
             await asyncio.sleep(0.02)
@@ -260,15 +266,7 @@ def test_a_batch_given_up_while_prepared_does_not_hold_up_the_next() -> None:
         return list(values)
 
     async def main() -> list[int]:
-        b: Batcher[int, int] = Batcher(
-            run_batch,
-            max_batch_size=2,
-            max_wait_s=0.01,
-            queue_size=64,
-            prepare=prepare,
-            prepare_threads=2,
-        )
-        b.start()
+        b = piped(run_batch, prepare, prepare_threads=2)
         try:
             first = asyncio.ensure_future(b.submit([1, 2]))
             await asyncio.sleep(0.05)  # batch 1 is being prepared, held
@@ -303,15 +301,7 @@ def test_a_prepared_batch_whose_requesters_all_went_away_is_not_run() -> None:
         return list(values)
 
     async def main() -> None:
-        b: Batcher[int, int] = Batcher(
-            run_batch,
-            max_batch_size=2,
-            max_wait_s=0.01,
-            queue_size=64,
-            prepare=prepare,
-            on_batch=stats.append,
-        )
-        b.start()
+        b = piped(run_batch, prepare, on_batch=stats.append)
         try:
             first = asyncio.ensure_future(b.submit([1, 2]))
             while not ran:  # batch 1 is in its second stage, held
