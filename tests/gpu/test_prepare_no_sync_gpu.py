@@ -9,7 +9,6 @@ mode makes every synchronising call an error, so each test fails with
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ import torch
 from app.gpu_decode import preprocess
 from app.preprocess import BICUBIC, ImageSpec
 from tests.hf_models import photos, upright
+from tests.test_imaging import scripted_preprocess
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,11 +55,7 @@ def test_the_sync_debug_mode_catches_a_blocking_copy() -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "script"])
 def test_default_preprocess_of_mixed_shapes_does_not_sync(compiled: bool) -> None:
-    pre = preprocess
-    if compiled:  # as the one-call decode runs it
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pre = torch.jit.script(preprocess)
+    pre = scripted_preprocess() if compiled else preprocess  # compiled: as the one-call decode
     images = mixed_shapes()
     orientations = [1, 6, 1, 3, 8]
     alone = zip(images, orientations, strict=True)
