@@ -29,6 +29,7 @@ from app.engine_client import ImageIn
 from app.main import create_app
 from pool.client import FeatureClient
 from pool.errors import PoolRestarted
+from pool.leases import Lease
 from tests.conftest import image_bytes
 from tests.helpers import ROOT, live_server, server_process, small_settings, wait_until
 
@@ -135,27 +136,35 @@ def test_requests_cancelled_while_queued_or_encoding_leak_nothing(
     released; with two prepare threads as with one."""
     gate = threading.Event()  # the first batch encodes until the cancels are in
     slow = SlowEncoder(0.0, gate)
+    # A batch closes when it has two images (not sooner, at any decode order): the first is
+    # tasks 0 and 1, sent before the others.
     settings = small_settings(
-        tmp_path, max_batch_size=2, queue_size=64, prepare_threads=prepare_threads
+        tmp_path,
+        max_batch_size=2,
+        max_batch_wait_ms=500.0,
+        queue_size=64,
+        prepare_threads=prepare_threads,
     )
     app = create_app(settings, encoder=slow)
     engine = app.state.engine
 
+    def request() -> asyncio.Task[list[Lease]]:
+        return asyncio.create_task(engine.encode([ImageIn("i", JPEG)], None))
+
     async def scenario() -> tuple[list[Any], dict[str, Any]]:
         await engine.start()
         try:
-            tasks = [
-                asyncio.create_task(engine.encode([ImageIn("i", JPEG)], None)) for _ in range(8)
-            ]
+            tasks = [request(), request()]
             assert await asyncio.to_thread(slow.started.wait, 10)  # the first batch is encoding
+            tasks += [request() for _ in range(6)]
             await asyncio.sleep(0.05)
-            for t in tasks[1:]:  # tasks[0]'s batch runs; [1] may share it; the rest are queued
+            for t in tasks[1:]:  # tasks[0] and [1]'s batch runs; the rest are queued or prepared
                 t.cancel()
             await asyncio.sleep(0.05)  # the cancelled handlers drop their queued items
             gate.set()
             done = await asyncio.gather(*tasks, return_exceptions=True)
-            for _ in range(200):  # the batch thread finishes; its orphan leases are released
-                if engine.pool.stats()["leases_active"] <= 1:
+            for _ in range(200):  # every batch has ended; their orphan leases are released
+                if not engine.batcher._running and engine.pool.stats()["leases_active"] <= 1:
                     break
                 await asyncio.sleep(0.01)
             stats = engine.pool.stats()
