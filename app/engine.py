@@ -90,6 +90,19 @@ def is_sticky(e: BaseException) -> bool:
     return cuda_error_code(e) in STICKY_CUDA_ERRORS
 
 
+def batch_buckets(max_batch_size: int, steps: int = 8) -> list[int]:
+    """The batch sizes the encoder is prepared for (a CUDA graph or a compiled graph each):
+    ``steps`` evenly spaced sizes up to ``max_batch_size``, and the powers of two below the
+    first. A batch is padded to the next one, so at most 1/steps of the largest batch's forward
+    is padding (128: 1, 2, 4, 8, 16, 32, ..., 112, 128). Powers of two alone padded a batch of
+    80 (five requests of 16 images) to 128: 38 % of that forward wasted."""
+    step = -(-max_batch_size // steps)
+    sizes = {1 << k for k in range(step.bit_length()) if 1 << k < step}
+    sizes.update(range(step, max_batch_size, step))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
 @dataclass
 class Published:
     """One image's answer: its lease, the hash of its features, and whether they were reused."""
@@ -234,11 +247,9 @@ class Engine:
             and self.device.type == "cuda"
             and (self._encoder is None or graphs)
         ):
-            # A compiled graph or a captured CUDA graph per batch size: pad batches up to powers
-            # of two, so that a handful of sizes is prepared once, here, and never while serving.
-            self._buckets = sorted(
-                {min(1 << k, s.max_batch_size) for k in range(s.max_batch_size.bit_length() + 1)}
-            )
+            # A compiled graph or a captured CUDA graph per batch size: batches are padded up to
+            # a handful of sizes, prepared once, here, and never while serving.
+            self._buckets = batch_buckets(s.max_batch_size)
         await asyncio.to_thread(encoder.warmup, self._buckets or [1, s.max_batch_size])
         self.batcher = Batcher(
             self._run_batch,

@@ -1,0 +1,48 @@
+"""The batch sizes the encoder is prepared for (a CUDA graph each): how much of a forward can be
+padding, and the engine padding a batch to the next size and handing back only its own rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.encoders import build_encoder
+from app.engine import Engine, batch_buckets
+from app.metrics import Metrics
+from app.settings import Settings
+
+
+@pytest.mark.parametrize("largest", [1, 2, 7, 16, 32, 100, 128, 256, 512])
+def test_padding_is_at_most_an_eighth_of_the_largest_batch(largest: int) -> None:
+    sizes = batch_buckets(largest)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == largest
+    assert len(sizes) <= 8 + largest.bit_length()  # a handful of graphs to capture
+    for n in range(1, largest + 1):
+        padded = next(b for b in sizes if b >= n)
+        assert padded - n < -(-largest // 8), (n, padded)
+
+
+def test_requests_of_sixteen_fill_a_batch_of_128_without_padding() -> None:
+    sizes = batch_buckets(128)
+    assert [16 * k for k in range(1, 9)] == [b for b in sizes if b >= 16]
+
+
+def test_engine_pads_to_the_next_size_and_returns_its_own_rows() -> None:
+    encoder = build_encoder("tiny-test", device=torch.device("cpu"))
+    seen: list[int] = []
+    encode = encoder.encode
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return encode(x)
+
+    encoder.encode = spy  # type: ignore[method-assign]
+    engine = Engine(Settings(max_batch_size=128), Metrics(), encoder=encoder)
+    engine.encoder, engine._buckets = encoder, batch_buckets(128)
+    s = encoder.image_size
+    x = torch.randn(81, 3, s, s)
+    out = engine._forward(x[:80])
+    assert seen == [80] and out.shape[0] == 80  # a size of its own: no padding
+    out = engine._forward(x)
+    assert seen[-1] == 96 and out.shape[0] == 81
+    assert torch.allclose(out.float(), encode(x).float(), atol=1e-5)
