@@ -95,7 +95,9 @@ def batch_buckets(max_batch_size: int, steps: int = 8) -> list[int]:
     ``steps`` evenly spaced sizes up to ``max_batch_size``, and the powers of two below the
     first. A batch is padded to the next one, so at most 1/steps of the largest batch's forward
     is padding (128: 1, 2, 4, 8, 16, 32, ..., 112, 128). Powers of two alone padded a batch of
-    80 (five requests of 16 images) to 128: 38 % of that forward wasted."""
+    80 (five requests of 16 images) to 128: 38 % of that forward wasted. Each size keeps its own
+    input and output buffers (the graphs share one memory pool for the rest): for ViT-B/16 in
+    bf16 at 128, ~0.36 GB in all against ~0.15 GB with powers of two."""
     step = -(-max_batch_size // steps)
     sizes = {1 << k for k in range(step.bit_length()) if 1 << k < step}
     sizes.update(range(step, max_batch_size, step))
