@@ -4,14 +4,17 @@ PY     := $(VENV)/bin/python
 # Without an NVIDIA GPU, pin the CPU-capable torch first so pip does not fetch a multi-GB CUDA
 # build; with one, the range in pyproject.toml brings the usual CUDA build.
 TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
+# Where that torch comes from: this project's machines have the CPU build on local disk; from
+# PyPI, add TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu" for the CPU build.
+TORCH_INDEX ?=
 EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,)
 ARGS   ?=
 
-.PHONY: install install-dev serve test lint bench-cpu clean prometheus lock
+.PHONY: install install-dev serve test lint clean prometheus lock
 
 $(VENV)/.base:
 	python3 -m venv $(VENV)
-	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)",)
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)" $(TORCH_INDEX),)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
@@ -44,7 +47,7 @@ prometheus:
 	  || echo "prometheus not installed (apt-get install prometheus as root): tests/test_alerts.py skips"
 
 ## lock: regenerate the image's lock files (requirements/cuda-*.txt) from pyproject.toml and the .in files
-lock:
+lock: $(VENV)/.base
 	$(PY) -m pip install -q uv
 	for f in requirements/cuda-*.in; do \
 	  $(VENV)/bin/uv pip compile pyproject.toml $$f --extra cuda --extra hf --generate-hashes \

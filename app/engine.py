@@ -196,6 +196,7 @@ class Engine:
         # The encoder first: its output size sets how many lease slots the pool needs.
         encoder = self._encoder
         if encoder is None:
+            log.info("loading encoder %s on %s", s.encoder, self.device)
             encoder = await asyncio.to_thread(self._build_encoder)
         self.encoder = encoder
         self._identity_digests.clear()
@@ -252,7 +253,11 @@ class Engine:
             # A compiled graph or a captured CUDA graph per batch size: batches are padded up to
             # a handful of sizes, prepared once, here, and never while serving.
             self._buckets = batch_buckets(s.max_batch_size)
-        await asyncio.to_thread(encoder.warmup, self._buckets or [1, s.max_batch_size])
+        sizes = self._buckets or [1, s.max_batch_size]
+        log.info(
+            "warming up the encoder at batch sizes %s%s", sizes, " (CUDA graphs)" if graphs else ""
+        )
+        await asyncio.to_thread(encoder.warmup, sizes)
         self.batcher = Batcher(
             self._run_batch,
             max_batch_size=s.max_batch_size,

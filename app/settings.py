@@ -107,7 +107,9 @@ class Settings(BaseSettings):
 
     # Hand-off socket
     socket_path: Path = Field(
-        default_factory=default_socket_path, description="Unix socket consumers attach to"
+        default_factory=default_socket_path,
+        description="Unix socket consumers attach to (default: $XDG_RUNTIME_DIR/featpool/"
+        "featpool.sock, or /tmp/featpool/featpool.sock without XDG_RUNTIME_DIR)",
     )
     socket_allowed_uids: list[int] = Field(
         default_factory=list, description="peer uids allowed; empty means this process's uid"
@@ -140,7 +142,11 @@ class Settings(BaseSettings):
     )
 
     # Encoder and batching
-    encoder: str = Field("vit-b16-224", description="built-in encoder preset")
+    encoder: str = Field(
+        "vit-b16-224",
+        description="a built-in preset, or hf:<local directory or org/name in the Hugging Face "
+        "cache> (the hf extra)",
+    )
     encoder_weights: Path | None = Field(None, description="local safetensors file for the encoder")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU"
@@ -242,7 +248,8 @@ class Settings(BaseSettings):
         min_length=3,
         max_length=3,
         description="the garbage collector's thresholds (gc.set_threshold) in the processes of "
-        "`python -m app` once started; Python's default is [700, 10, 10] (app/interpreter.py)",
+        "`python -m app` once started (default [10000, 10, 100]; Python's own is [700, 10, 10]; "
+        "app/interpreter.py)",
     )
 
     # Logs

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from app.encoders import PRESETS, Encoder, ViTEncoder, build_encoder
+from app.encoders import PRESETS, Encoder, ViTEncoder, build_encoder, check_encoder_name
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -280,3 +281,15 @@ def test_hf_defaults_without_preprocessor_config(tmp_path: Path) -> None:
     enc = build_encoder(f"hf:{tmp_path}", device=CPU)
     assert enc.mean == (0.5, 0.5, 0.5) and enc.std == (0.5, 0.5, 0.5)
     assert enc.image_size == 32
+
+
+@pytest.mark.parametrize("missing", ["transformers", "huggingface_hub"])
+@pytest.mark.parametrize("ref", ["org/name", "."])
+def test_hf_encoder_without_the_extra_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, missing: str, ref: str
+) -> None:
+    """`python -m app` prints check_encoder_name's ValueError in one line and exits; without the
+    hf extra an hf: name must give that, naming the extra, not an ImportError traceback."""
+    monkeypatch.setitem(sys.modules, missing, None)  # what an absent package imports as
+    with pytest.raises(ValueError, match=r"pip install '\.\[hf\]'"):
+        check_encoder_name(f"hf:{ref}")

@@ -74,11 +74,13 @@ def build_encoder(
 
 
 def check_encoder_name(name: str) -> None:
-    """Fail fast, before anything starts, on a name that cannot be built: an unknown preset, or
-    an hf: model that is neither a local directory nor in the local Hugging Face cache."""
+    """Fail fast, before anything starts, on a name that cannot be built: an unknown preset, an
+    hf: model without the hf extra installed, or one that is neither a local directory nor in
+    the local Hugging Face cache."""
     if name.startswith(HF_PREFIX):
-        from app.encoders.hf import resolve_model
+        from app.encoders.hf import check_hf_extra, resolve_model
 
+        check_hf_extra()
         resolve_model(name[len(HF_PREFIX) :])
     elif name not in PRESETS:
         raise _unknown(name)

@@ -36,14 +36,26 @@ _TOWERS: dict[str, tuple[str, tuple[float, float, float], tuple[float, float, fl
 _PROCESSORS = {"siglip": "SiglipImageProcessor", "clip": "CLIPImageProcessor"}
 
 
+NEEDS_HF_EXTRA = (
+    "Hugging Face encoders (hf:...) need the optional extra 'hf' (transformers and "
+    "huggingface_hub): pip install '.[hf]' in a checkout"
+)
+
+
 def import_transformers() -> ModuleType:
     try:
         return importlib.import_module("transformers")
     except ImportError as e:
-        raise ImportError(
-            "Hugging Face encoders need the optional 'transformers' dependency: "
-            "pip install 'featpool[hf]'"
-        ) from e
+        raise ImportError(f"{NEEDS_HF_EXTRA} ({e})") from e
+
+
+def check_hf_extra() -> None:
+    """ValueError (which start-up prints in one line) where the extra is not installed."""
+    for module in ("transformers", "huggingface_hub"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"{NEEDS_HF_EXTRA} ({e})") from None
 
 
 def hub_cache() -> str:
