@@ -225,8 +225,16 @@ def test_one_tenant_cannot_reach_anothers_features(
     mine = upload(c, CAT, **b).json()["items"][0]
     assert mine["cached"] is False and mine["feature_hash"] == digest
     assert encoded(c) == 2
+    # Now B holds features of the same hash: only the id's own scope still hides A's id (a
+    # lookup of ids in every scope would tell B what A stored under it).
+    assert c.get("/v1/features/secret-scan", headers=b).status_code == 404
+    assert c.post("/v1/features/secret-scan/lease", headers=b).status_code == 404
     # B can use the same id for its own features: ids are per tenant too.
-    assert upload(c, DOG, "?id=secret-scan", **b).status_code == 200
+    dog = upload(c, DOG, "?id=secret-scan", **b).json()["items"][0]
+    assert (
+        c.get("/v1/features/secret-scan", headers=b).json()["feature_hash"] == dog["feature_hash"]
+    )
+    assert c.get("/v1/features/secret-scan", headers=a).json()["feature_hash"] == digest
     # And without a key, nothing at all.
     assert c.get(f"/v1/features/{digest}").status_code == 401
     assert upload(c, CAT, "", authorization="Bearer key-of-c").status_code == 401

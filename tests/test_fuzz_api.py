@@ -14,11 +14,12 @@ every one, leaks no FD, and a normal client still attaches and reads a lease aft
 from __future__ import annotations
 
 import array
+import hmac
 import json
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import httpx
 import pytest
 import schemathesis
 import torch
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
@@ -390,13 +392,42 @@ def test_api_key_guards_every_v1_route(tmp_path: Path) -> None:
             app.state.engine.pool.release(lease.id)
 
 
-def test_api_key_comparison_is_constant_time() -> None:
-    import inspect
+def test_secrets_are_compared_by_compare_digest_with_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+    make_client: Callable[..., TestClient],
+    handoff: tuple[FeaturePool, HandoffServer],
+) -> None:
+    """Constant time, as a behaviour: every API key and the socket token go through
+    ``hmac.compare_digest`` (a spy that answers for it decides who gets in), and a request is
+    compared with every key, matched or not, so that the time taken does not say which key
+    matched or how far a guess got. A plain ``==`` anywhere fails this."""
+    seen: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
 
-    from app import routes
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((bytes(a), bytes(b)))
+        return real(a, b)
 
-    assert "hmac.compare_digest" in inspect.getsource(routes.check_api_key)
-    assert "hmac.compare_digest" in inspect.getsource(HandoffServer._token_ok)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    c = make_client(api_keys=["k1", "k2", "k3"])
+    for header, status in (("Bearer k1", 200), ("Bearer k3", 200), ("Bearer nope", 401)):
+        seen.clear()
+        assert c.get("/v1/pool", headers={"authorization": header}).status_code == status
+        assert seen == [(header.encode(), f"Bearer {k}".encode()) for k in ("k1", "k2", "k3")]
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: False)  # it alone decides
+    assert c.get("/v1/pool", headers={"authorization": "Bearer k1"}).status_code == 401
+
+    _, server = handoff
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    seen.clear()
+    with FeatureClient.connect(server.path, token="t0k3n") as fc:
+        assert fc.epoch
+    assert (b"t0k3n", b"t0k3n") in seen
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: False)
+    from pool.errors import PeerRejected
+
+    with pytest.raises(PeerRejected):
+        FeatureClient.connect(server.path, token="t0k3n")
 
 
 def test_socket_token_variants_are_refused(handoff: tuple[FeaturePool, HandoffServer]) -> None:

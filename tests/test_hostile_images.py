@@ -269,6 +269,21 @@ MULTIPART_CASES: list[tuple[str, bytes, str, int, str | None]] = [
         None,
     ),
     ("1000 tiny text fields", multipart([("f", None, b"x")] * 1000), MP, 400, "invalid_request"),
+    # the bound itself: 32 text fields, plus one per image the request may carry (an id each)
+    (
+        "an image and 40 text fields (32 + 8 images' ids), the limit",
+        multipart([("image", "a.jpg", small), *[("f", None, b"x")] * 40]),
+        MP,
+        200,
+        None,
+    ),
+    (
+        "an image and 41 text fields",
+        multipart([("image", "a.jpg", small), *[("f", None, b"x")] * 41]),
+        MP,
+        400,
+        "invalid_request",
+    ),
     (
         "unterminated multipart body",
         multipart([("image", "a.jpg", small)])[:-20],

@@ -130,3 +130,48 @@ def test_the_mapping_outlives_close_while_a_view_is_held() -> None:
     assert maps_of_arenas() == before + 1  # the tensor still holds it
     del tensor
     assert maps_of_arenas() == before
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize(
+    "hello, why",
+    [
+        ({"op": "hello", "arena_bytes": 1 << 16}, None),  # accepted: the arena is mapped
+        ({"op": "hello", "arena_bytes": 0}, "0 and 1 FD"),  # an FD it did not announce
+        ({"op": "hello", "arena_bytes": 1 << 30}, "announced"),  # more than the memfd holds
+        ({"op": "encode"}, "must be a hello"),
+        ({"op": "hello", "arena_bytes": "lots"}, "non-negative integer"),
+    ],
+)
+def test_every_fd_a_hello_brings_is_closed(hello: dict[str, object], why: str | None) -> None:
+    """The GPU process keeps no FD a front sends with its hello, accepted or refused: a front
+    (or anything that reaches the job socket) cannot pile FDs up in it. The mapping of an
+    accepted arena holds a descriptor of its own until the view is closed."""
+    import asyncio
+    import json
+    import socket
+
+    from app.jobs import _LEN, _receive_hello
+
+    arena = FrontArena(1 << 16)
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.setblocking(False)
+        before = open_fds()
+        raw = json.dumps(hello).encode()
+        socket.send_fds(ours, [_LEN.pack(len(raw)) + raw], [arena.fd])
+        if why is None:
+            view = asyncio.run(_receive_hello(theirs))
+            assert view is not None and open_fds() == before + 1  # the mapping's own
+            view.close()
+        else:
+            with pytest.raises(ArenaError, match=why):
+                asyncio.run(_receive_hello(theirs))
+        assert open_fds() == before
+    finally:
+        ours.close()
+        theirs.close()
+        arena.close()

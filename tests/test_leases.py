@@ -2,7 +2,7 @@ import pytest
 
 from pool.allocator import Extent
 from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
-from pool.leases import LeaseState, LeaseTable
+from pool.leases import GEN_MAX, LeaseState, LeaseTable
 from tests.conftest import FakeClock
 
 
@@ -59,6 +59,20 @@ def test_generation_changes_on_every_reuse(clock: FakeClock) -> None:
         t.release(lease.id)
     assert [s for s, _ in seen] == [0] * 5
     assert [g for _, g in seen] == [1, 2, 3, 4, 5]
+
+
+def test_generation_wraps_past_zero(clock: FakeClock) -> None:
+    """Generations are u32 words in the control block, and 0 there means "never used": after
+    2**32 - 1 reuses of a slot the next generation is 1, never 0 (a consumer holding a
+    descriptor from before could not tell a fresh slot from a stale one)."""
+    t = LeaseTable(1, clock=clock)
+    t._generations[0] = GEN_MAX - 1  # as after that many reuses, without making them
+    seen = []
+    for _ in range(3):
+        lease = reserve(t)
+        seen.append(lease.generation)
+        t.release(lease.id)
+    assert seen == [GEN_MAX, 1, 2]
 
 
 def test_free_slots_are_reused_oldest_first(clock: FakeClock) -> None:
