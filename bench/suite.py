@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -286,7 +287,7 @@ def consumer_main(conn: Any, sock: str, use_cuda: bool) -> None:
     import torch
     import torch.multiprocessing  # CUDA tensors unpickle as IPC handles
 
-    from pool.backends.host_shm import tensor_over
+    from pool.backends.host_shm import whole_tensor
     from pool.client import FeatureClient
 
     if use_cuda:
@@ -357,7 +358,8 @@ def consumer_main(conn: Any, sock: str, use_cuda: bool) -> None:
             fd = recv_handle(conn)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
             os.close(fd)
-            t = tensor_over(mm, 0, torch.bfloat16, tuple(shape))
+            n = math.prod(shape)
+            t = whole_tensor(mm)[: 2 * n].view(torch.bfloat16).view(tuple(shape))
             last = last_word(t)
             t1 = time.perf_counter()
             del t

@@ -409,3 +409,16 @@ def test_job_channel_bench_runs_through_the_real_job_server() -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["mode"] for r in rows] == ["inline", "arena", "inline", "arena"]
     assert all(r["images"] == 40 and r["gpu_process_cpu_us_per_image"] > 0 for r in rows)
+
+
+def test_cpu_handoff_sweep_runs_its_consumer_processes(tmp_path: Path) -> None:
+    """The hand-off sweep starts consumer processes that map and read each transport; a
+    consumer that cannot start (an import gone from pool/) fails the sweep, not silently."""
+    out = tmp_path / "suite.json"
+    assert suite.main(["--mode", "cpu", "--only", "handoff", "--quick", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["sweeps"]["handoff"]
+    assert sweep["status"] == "ok", sweep.get("log_tail")
+    for point in sweep["points"]:
+        assert set(point["transports"]) == {"pool", "fresh_shm", "cpu_bytes"}
+        for name, t in point["transports"].items():
+            assert t["n"] > 0 and t["wrong_reads"] == 0, (point["size_mb"], name)
