@@ -12,6 +12,7 @@ from app.settings import Settings
 from pool.backends.base import Backend
 from pool.backends.host_shm import HostShmBackend
 from pool.errors import CudaUnavailable, HandoffError
+from pool.featurepool import check_welcome_fds
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,14 @@ def preflight(settings: Settings) -> torch.device:
         _vmm_needs_cuda(device)
     if settings.fabric_listen is not None:
         _remote_needs(settings, device)
+    gpu = settings.transport == "cuda_vmm" or (
+        settings.transport == "auto" and device.type == "cuda"
+    )
+    unit = 2 << 20  # the VMM granularity on current GPUs (the GPU tier rounds its slabs up to it)
+    slabs = [-(-settings.pool_bytes // (-(-settings.slab_bytes // unit) * unit))] if gpu else []
+    if settings.host_pool_bytes > 0:
+        slabs.append(len(split_slabs(settings.host_pool_bytes, settings.slab_bytes)))
+    check_welcome_fds(slabs)
     return device
 
 

@@ -48,7 +48,7 @@ from pool.errors import (
     TensorTooLarge,
 )
 from pool.leases import ImageGrid, Lease, LeaseState, LeaseTable
-from pool.protocol import PROTOCOL_VERSION
+from pool.protocol import MAX_FDS, PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,23 @@ class Tier:
         return self.backend.tier
 
 
+WELCOME_FDS = 2  # besides one per slab: the control block and the consumer's ack block
+
+
+def check_welcome_fds(slabs_per_tier: Sequence[int]) -> None:
+    """A consumer's welcome carries an FD per slab of every tier, and one message carries at
+    most MAX_FDS (the kernel's SCM_MAX_FD is 253): a pool cut into more slabs than that could
+    start, and then every consumer's attach would fail with the connection dropped. So it
+    does not start (HandoffError, naming the flag that sets the slab size)."""
+    fds = WELCOME_FDS + sum(slabs_per_tier)
+    if fds > MAX_FDS:
+        raise HandoffError(
+            f"the pool's {sum(slabs_per_tier)} slabs need {fds} FDs in a consumer's welcome, "
+            f"more than the {MAX_FDS} one message carries: use larger slabs (--slab-bytes, "
+            "FEATPOOL_SLAB_BYTES) or a smaller pool"
+        )
+
+
 class FeaturePool:
     def __init__(
         self,
@@ -122,6 +139,7 @@ class FeaturePool:
     ) -> None:
         if not backends and policy != "fallback":
             raise ValueError("a pool without tiers can only keep tensors inline (policy fallback)")
+        check_welcome_fds([len(b.slab_sizes) for b in backends])
         self.tiers = [Tier(b, SlabAllocator(b.slab_sizes)) for b in backends]
         self.ctrl = ControlBlock.create(max_leases)
         try:

@@ -17,7 +17,7 @@ from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
 from pool.errors import HandoffError, PeerRejected, PoolRestarted, StaleLease
 from pool.featurepool import FeaturePool
-from pool.protocol import PROTOCOL_VERSION, recv_msg, send_msg
+from pool.protocol import MAX_FDS, PROTOCOL_VERSION, recv_msg, send_msg
 from pool.server import HandoffServer
 
 MiB = 1 << 20
@@ -297,3 +297,25 @@ def test_leases_of_different_shapes_carry_their_grid(
             c.release(desc)
     with pytest.raises(ValueError, match="grids"):
         pool.put_many(feats, None, grids[:2])
+
+
+def test_a_pool_whose_welcome_would_not_fit_in_one_message_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """A consumer's welcome carries the control block, its ack block and one FD per slab in one
+    message (at most MAX_FDS): with 248 slabs a consumer attaches and reads; with 249 the pool
+    refuses to start, instead of starting and then dropping every consumer's connection."""
+    fits = MAX_FDS - 2
+    with pytest.raises(HandoffError, match="--slab-bytes"):
+        FeaturePool([HostShmBackend([4096] * (fits + 1))], max_leases=4)
+    pool = FeaturePool([HostShmBackend([4096] * fits)], max_leases=4)
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    try:
+        lease = pool.put(torch.arange(8, dtype=torch.float32))
+        with FeatureClient.connect(server.path) as client:
+            assert torch.equal(client.open(lease.id), torch.arange(8, dtype=torch.float32))
+            client.release(lease.id)
+    finally:
+        server.close()
+        pool.close()

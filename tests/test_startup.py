@@ -210,9 +210,11 @@ def test_settings_travel_to_front_processes_unchanged(
             ["--fabric-listen", "0.0.0.0:7070", "--socket-token", "t0ken"],
             "--fabric-listen (FEATPOOL_FABRIC_LISTEN) serves the GPU pool to other nodes",
         ),
+        # 512 slabs of 2 MiB: more FDs than a consumer's welcome can carry
+        (["--slab-bytes", "2097152", "--host-pool-bytes", "1073741824"], "--slab-bytes"),
     ],
 )
-def test_cli_refuses_gpu_flags_without_a_gpu_in_one_line(
+def test_cli_refuses_impossible_flags_in_one_line(
     tmp_path: Path, flags: list[str], named: str
 ) -> None:
     import subprocess
