@@ -352,12 +352,22 @@ class FeaturePool:
                     self._end(lease, reason=None)
 
     def _mark_ready(self, leases: Sequence[Lease]) -> None:
+        """The copies are done (or queued on the device): the leases are ready, or expired if
+        their deadline passed meanwhile (the reaper leaves leases being copied alone, so that
+        their memory is not reused under the copy)."""
         with self._lock:
+            now = self.clock()
+            late = []
             for lease in leases:
-                if lease.state is LeaseState.RESERVED:  # it may have expired already (tiny TTL)
-                    self.leases.mark_ready(lease.id)
-                    if lease.tier == INLINE:
-                        self.ctrl.set_ready(lease.slot, lease.generation)
+                if lease.state is not LeaseState.RESERVED:  # ended meanwhile
+                    continue
+                if lease.deadline <= now:
+                    late.append(lease)
+                    continue
+                self.leases.mark_ready(lease.id)
+                if lease.tier == INLINE:
+                    self.ctrl.set_ready(lease.slot, lease.generation)
+            self._end_many(late, LeaseState.EXPIRED)
 
     def _candidates(self, tensor: torch.Tensor) -> list[Tier]:
         tiers = self.tiers

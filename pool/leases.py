@@ -191,13 +191,17 @@ class LeaseTable:
 
     def due(self) -> list[Lease]:
         """The live leases whose deadline has passed (not ended yet). Their deadlines leave the
-        heap: the caller ends every one (the pool's reaper does)."""
+        heap: the caller ends every one (the pool's reaper does). A lease still RESERVED is
+        left out: its bytes are being copied in, outside the pool's lock, and ending it would
+        hand its memory to the next put while that copy still writes it. Whoever marks it
+        ready after the copy ends it instead (``FeaturePool._mark_ready``)."""
         now = self.clock()
         due: dict[str, Lease] = {}
         while self._deadlines and self._deadlines[0][0] <= now:
             _, lease_id = heapq.heappop(self._deadlines)
             lease = self._active.get(lease_id)
-            if lease is not None and lease.deadline <= now:  # not ended, not renewed since
+            # not ended, not renewed since, not still being copied in
+            if lease is not None and lease.deadline <= now and lease.state is LeaseState.READY:
                 due[lease_id] = lease
         return list(due.values())
 

@@ -198,3 +198,49 @@ def test_a_failed_publish_gives_the_reservation_back() -> None:
     assert s["leases_active"] == 0 and s["tiers"][0]["used_bytes"] == 0
     assert not p.ctrl.slots["gen"].any()  # no slot is left looking live to consumers
     p.close()
+
+
+class _SlowBackend(HostShmBackend):
+    """A host tier whose first copy waits until the test lets it go."""
+
+    def __init__(self, slabs: list[int]) -> None:
+        super().__init__(slabs)
+        self.copying = threading.Event()
+        self.go = threading.Event()
+
+    def publish(self, *args: object) -> None:  # type: ignore[override]
+        if not self.copying.is_set():
+            self.copying.set()
+            assert self.go.wait(10)
+        super().publish(*args)  # type: ignore[arg-type]
+
+
+def test_a_lease_whose_deadline_passes_during_its_copy_keeps_its_memory_until_the_copy_ends(
+    clock: FakeClock,
+) -> None:
+    """The copy into the pool runs outside the lock. If the reaper ended a lease still being
+    copied (a TTL as short as 0.01 s, a slow copy) its memory would go back to the allocator
+    while the copy still writes it, and the next put could be given the same bytes: two
+    copies into one place, and a consumer of the second lease reading the first's bytes.
+    It expires once its copy is done instead."""
+    backend = _SlowBackend([4096])
+    p = FeaturePool([backend], clock=clock, inline_max_bytes=0)
+    first: list[object] = []
+    t = threading.Thread(target=lambda: first.append(p.put(torch.ones(1024), ttl_s=0.01)))
+    t.start()
+    try:
+        assert backend.copying.wait(10)
+        clock.advance(1.0)
+        p.reap()  # the deadline has passed while the copy runs
+        with pytest.raises(PoolExhausted):  # its bytes are still being written
+            p.put(torch.full((1024,), 2.0), ttl_s=60)
+    finally:
+        backend.go.set()
+        t.join(10)
+    (lease,) = first
+    assert lease.state.value == "expired"  # type: ignore[attr-defined]
+    backend.go.set()
+    second = p.put(torch.full((1024,), 2.0), ttl_s=60)  # now its memory is free to reuse
+    assert torch.equal(p.read(second.id), torch.full((1024,), 2.0))
+    assert p.stats()["expired"] == {"host": 1}
+    p.close()

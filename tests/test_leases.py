@@ -32,9 +32,15 @@ def test_double_release_raises(clock: FakeClock) -> None:
         t.release(lease.id)
 
 
+def ready(t: LeaseTable, ttl: float = 10.0):  # type: ignore[no-untyped-def]
+    lease = reserve(t, ttl)
+    t.mark_ready(lease.id)
+    return lease
+
+
 def test_ttl_expiry_with_fake_clock_and_renew(clock: FakeClock) -> None:
     t = LeaseTable(4, clock=clock)
-    a, b = reserve(t, ttl=5), reserve(t, ttl=20)
+    a, b = ready(t, ttl=5), ready(t, ttl=20)
     clock.advance(4.9)
     assert t.expire_due() == []
     t.renew(a.id, 10)  # now due at +14.9
@@ -44,10 +50,20 @@ def test_ttl_expiry_with_fake_clock_and_renew(clock: FakeClock) -> None:
     assert [x.id for x in t.expire_due()] == [a.id]
     with pytest.raises(LeaseExpired):
         t.get(a.id)
-    assert t.get(b.id).state is LeaseState.RESERVED
+    assert t.get(b.id).state is LeaseState.READY
     clock.advance(100)
     assert [x.id for x in t.expire_due()] == [b.id]
     assert len(t) == 0
+
+
+def test_a_lease_still_being_copied_in_is_not_due(clock: FakeClock) -> None:
+    """Past its deadline a RESERVED lease (its bytes still being copied in) is not handed to
+    the reaper; the pool ends it when the copy is done (test_featurepool)."""
+    t = LeaseTable(2, clock=clock)
+    copying, done = reserve(t, ttl=1), ready(t, ttl=1)
+    clock.advance(2)
+    assert [x.id for x in t.expire_due()] == [done.id]
+    assert t.get(copying.id).state is LeaseState.RESERVED
 
 
 def test_generation_changes_on_every_reuse(clock: FakeClock) -> None:
@@ -117,7 +133,7 @@ def test_expire_due_ends_exactly_the_leases_a_full_scan_finds(clock: FakeClock) 
     for _ in range(20_000):
         op = rng.random()
         if op < 0.45 and len(live) < 4000:
-            live.append(reserve(t, ttl=rng.uniform(0.1, 5)).id)
+            live.append(ready(t, ttl=rng.uniform(0.1, 5)).id)
         elif op < 0.6 and live:
             t.renew(rng.choice(live), rng.uniform(0.05, 5))
         elif op < 0.85 and live:
