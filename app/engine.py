@@ -107,11 +107,17 @@ def batch_buckets(max_batch_size: int, steps: int = 8) -> list[int]:
 
 @dataclass
 class Published:
-    """One image's answer: its lease, the hash of its features, and whether they were reused."""
+    """One image's answer: its lease, the hash of its features, and whether they were reused.
+    The lease keeps both, so that every later descriptor of it (HTTP GET and renew, the
+    socket's lookup and renew) names its features too."""
 
     lease: Lease
     feature_hash: str
     cached: bool
+
+    def __post_init__(self) -> None:
+        self.lease.feature_hash = self.feature_hash
+        self.lease.cached = self.cached
 
 
 # What the prepare stage hands the batch stage: the indices of the jobs that decoded, their
@@ -482,11 +488,9 @@ class Engine:
         return [p for p in out if p is not None]
 
     def describe_published(self, p: Published) -> LeaseDescriptor:
-        """The lease descriptor with the feature hash and whether the features were reused."""
+        """The lease descriptor, with the feature hash and whether the features were reused."""
         assert self.pool is not None
-        return self.pool.describe(p.lease).model_copy(
-            update={"feature_hash": p.feature_hash, "cached": p.cached}
-        )
+        return self.pool.describe(p.lease)
 
     def _reuse(
         self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None

@@ -583,6 +583,8 @@ class FeaturePool:
             created_at=lease.created_at,
             expires_at=lease.expires_at(self.clock),
             ttl_s=lease.ttl_s,
+            feature_hash=lease.feature_hash,
+            cached=lease.cached,
         )
 
     # ---- the hand-off ----------------------------------------------------------------------

@@ -62,6 +62,10 @@ class Lease:
     state: LeaseState = LeaseState.RESERVED
     grid: ImageGrid | None = None  # set by dynamic-resolution encoders only
     inline: Any = field(default=None, repr=False)  # the tensor itself for the inline tier
+    # Set by the service that published it (app.engine): the hash naming the features, and
+    # whether this lease is a copy of features already resident. Every descriptor carries them.
+    feature_hash: str | None = None
+    cached: bool | None = None
 
     def expires_at(self, clock: Callable[[], float]) -> float:
         """The deadline as wall-clock seconds since the epoch."""

@@ -251,3 +251,31 @@ def test_content_bytes_are_what_is_hashed(make_client: Callable[..., TestClient]
     a = upload(c, CAT).json()["items"][0]
     b = upload(c, buf.getvalue()).json()["items"][0]
     assert a["feature_hash"] != b["feature_hash"] and b["cached"] is False
+
+
+def test_every_descriptor_of_a_lease_names_its_features(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """A consumer handed only a lease ID looks the lease up (HTTP or the socket's lookup) and
+    gets the same feature_hash and cached flag the encode answer gave, also after a renew."""
+    from pool.client import FeatureClient
+
+    c = make_client()
+    first = upload(c, CAT).json()["items"][0]
+    copy = upload(c, CAT).json()["items"][0]
+    assert first["cached"] is False and copy["cached"] is True
+    sock = c.get("/v1/pool").json()["socket_path"]
+    with FeatureClient.connect(sock) as client:
+        for item in (first, copy):
+            lid = item["lease_id"]
+            for got in (
+                c.get(f"/v1/leases/{lid}").json(),
+                c.post(f"/v1/leases/{lid}/renew", json={"ttl_s": 30}).json(),
+                client.lookup(lid),
+            ):
+                assert (got["feature_hash"], got["cached"]) == (
+                    item["feature_hash"],
+                    item["cached"],
+                )
+    for item in (first, copy):
+        c.delete(f"/v1/leases/{item['lease_id']}")
