@@ -51,14 +51,19 @@ def frame_length(head: bytes | bytearray, limit: int = MAX_FRAME) -> int:
 def decode_body(body: bytes | bytearray) -> dict[str, Any]:
     """A frame's body as a message; HandoffError if it is not a JSON object with a string op."""
     try:
-        msg = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # UTF-8 only (json.loads would guess UTF-16 or UTF-32 from bytes), no NaN or Infinity
+        msg = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise HandoffError(f"frame is not JSON: {e}") from None
     except RecursionError:  # "[[[[..." a megabyte deep
         raise HandoffError("frame is nested too deeply") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise HandoffError("a message must be a JSON object with a string 'op'")
     return msg
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -76,8 +81,12 @@ def recv_msg(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str, 
     """Read one frame. Raises ConnectionError on EOF, HandoffError on a malformed frame."""
     fds: list[int] = []
     if want_fds:
-        head, got, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
+        head, got, flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
         fds = list(got)
+        if flags & socket.MSG_CTRUNC:  # the kernel closed what did not fit: the set is broken
+            for fd in fds:
+                _close_quietly(fd)
+            raise HandoffError(f"FDs were lost in transit (more than {MAX_FDS} sent)")
     else:
         head = sock.recv(_LEN.size)
     try:

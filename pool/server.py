@@ -427,7 +427,8 @@ class HandoffServer:
                 c, _Refused("bad_hello", "protocol_error", "the first message must be 'hello'")
             )
             return
-        if msg.get("version") != PROTOCOL_VERSION:
+        version = msg.get("version")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # 2.0 or true are not 2
             self._refuse(
                 c,
                 _Refused(
@@ -443,9 +444,11 @@ class HandoffServer:
             return
         try:
             welcome, fds = self._attach(c)
-        except PoolError as e:  # e.g. remote consumers not enabled, an FD export that failed
+        except (PoolError, OSError) as e:  # remote consumers not enabled, an FD export that
+            # failed, the process out of FDs: the peer is told, not dropped without a word
             log.error("hand-off welcome for %s failed: %s", c, e)
-            self._refuse(c, _Refused("welcome_failed", e.type, str(e)))
+            kind = e.type if isinstance(e, PoolError) else "handoff_error"
+            self._refuse(c, _Refused("welcome_failed", kind, str(e)))
             return
         del self._pending[c]
         c.attached = True

@@ -319,3 +319,56 @@ def test_a_pool_whose_welcome_would_not_fit_in_one_message_does_not_start(
     finally:
         server.close()
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        b'{"op": "hello", "version": 2.0}',  # a float is not the version
+        b'{"op": "hello", "version": true}',
+        b'{"op": "hello", "version": 2, "x": NaN}',  # not JSON
+        '{"op": "hello", "version": 2}'.encode("utf-16"),  # JSON is UTF-8 here
+    ],
+)
+def test_a_hello_that_is_not_the_protocols_json_is_refused(
+    served: tuple[FeaturePool, HandoffServer], hello: bytes
+) -> None:
+    """The frame body is UTF-8 JSON (docs/protocol.md 1) and the version an integer: Python's
+    json would otherwise read UTF-16, NaN, and take 2.0 or true for 2."""
+    _, server = served
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(server.path))
+    s.sendall(struct.pack(">I", len(hello)) + hello)
+    reply, fds = recv_msg(s, want_fds=True) if hello.startswith(b"{") else ({}, [])
+    if not hello.startswith(b"{"):  # not even a frame the server can answer: it hangs up
+        s.shutdown(socket.SHUT_WR)
+        data = s.recv(65536)
+        assert data == b"" or b"protocol_error" in data
+    else:
+        assert reply["op"] == "error" and reply["type"] == "protocol_error" and fds == []
+    s.close()
+
+
+def test_fds_lost_in_transit_are_an_error_and_none_is_kept() -> None:
+    """A reader that gets MSG_CTRUNC (more FDs came than it had room for: the kernel closed the
+    rest) has a broken set: the client closes what it got and says so."""
+    import array
+
+    ours, theirs = socket.socketpair()
+    r, w = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        body = b'{"op": "welcome"}'
+        rights = array.array("i", [r] * (MAX_FDS + 2))
+        ours.sendmsg(
+            [struct.pack(">I", len(body)) + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)]
+        )
+        with pytest.raises(HandoffError, match="lost"):
+            recv_msg(theirs, want_fds=True)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        ours.close()
+        theirs.close()
