@@ -24,15 +24,18 @@ from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
 
-ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/pool", "/health", "/metrics")
+ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/features", "/v1/pool", "/health", "/metrics")
 
 
 def endpoint_label(path: str) -> str:
-    """A small fixed set of label values: never a lease ID in a label."""
+    """A small fixed set of label values: never a lease ID, hash or client id in a label."""
     for prefix in ENDPOINTS:
         if path.startswith(prefix):
             if prefix == "/v1/leases":
                 return "/v1/leases/{id}/tensor" if path.endswith("/tensor") else "/v1/leases/{id}"
+            if prefix == "/v1/features":
+                lease = path.endswith("/lease")
+                return "/v1/features/{ref}/lease" if lease else "/v1/features/{ref}"
             return prefix
     return "other"
 

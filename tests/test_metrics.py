@@ -105,26 +105,36 @@ def test_scripted_scenario_metrics(make_client: Callable[..., TestClient]) -> No
 
 def test_build_info_and_label_values_stay_small(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    for _ in range(3):
-        lid = c.post("/v1/encode", files=[("image", TINY)]).json()["items"][0]["lease_id"]
+    for k in range(3):
+        item = c.post(f"/v1/encode?id=scan-{k}", files=[("image", TINY)]).json()["items"][0]
+        lid, digest = item["lease_id"], item["feature_hash"]
         c.get(f"/v1/leases/{lid}")
         c.get(f"/v1/leases/{lid}/tensor")
+        c.get(f"/v1/features/{digest}")
+        c.post(f"/v1/features/scan-{k}/lease")
     m = scrape(c)
     info = [labels for (name, labels) in m if name == "featpool_build_info"]
     assert len(info) == 1 and dict(info[0])["transport"] == "host_shm"
     endpoints = {
         dict(labels)["endpoint"] for (name, labels) in m if name == "featpool_http_requests_total"
     }
-    assert endpoints <= {
-        "/v1/encode",
-        "/v1/leases/{id}",
-        "/v1/leases/{id}/tensor",
-        "/v1/pool",
-        "/health",
-        "/metrics",
-        "other",
-    }
-    assert not any(lid in str(labels) for (_, labels) in m)  # no lease ID ever in a label
+    assert (
+        {"/v1/features/{ref}", "/v1/features/{ref}/lease"}
+        <= endpoints
+        <= {
+            "/v1/encode",
+            "/v1/leases/{id}",
+            "/v1/leases/{id}/tensor",
+            "/v1/features/{ref}",
+            "/v1/features/{ref}/lease",
+            "/v1/pool",
+            "/health",
+            "/metrics",
+            "other",
+        }
+    )
+    # no lease ID, feature hash or client id ever in a label
+    assert not any(x in str(labels) for (_, labels) in m for x in (lid, digest, "scan-"))
 
 
 def test_request_id_is_returned_and_propagated(make_client: Callable[..., TestClient]) -> None:
