@@ -13,7 +13,9 @@ header length, a JSON header, then ``header["payload"]`` bytes (0 if absent).
                  it carries (SCM_RIGHTS) the FD of the front's job arena (app/job_arena.py)
   core -> front  {"id": 0, "op": "hello", "status", "body"}   200, or the error shape and close
   front -> core  {"id", "op": "encode", "ttl_s", "pooled", "dtype", "scope", "ids",
-                  "images": [[label, size, header], ...], "arena_offset"}: the images' bytes,
+                  "images": [[label, size, header], ...], "digests", "arena_offset"}:
+                 digests, each image's SHA-256 (hex) computed by the front (a malformed list
+                 is a 400 invalid_request); the images' bytes,
                  back to back, lie in the arena from arena_offset (checked against its size);
                  without arena_offset they follow as the payload (the arena had no room, or
                  the front has none)

@@ -85,7 +85,7 @@ class HostShmBackend:
     ) -> None:
         dst = self.view(extent, tensor.dtype, tuple(tensor.shape))
         dst.copy_(tensor)  # from any device: a GPU tensor is copied down here
-        ctrl.set_ready(slot, gen)  # after the bytes: x86 and arm64 stores stay in order here
+        ctrl.set_ready(slot, gen)  # after the bytes: x86-64 keeps stores in order (not arm64)
 
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self._slabs[extent.slab].tensor(extent.offset, dtype, shape)
