@@ -41,7 +41,6 @@ class _Item(Generic[T, R]):
 class BatchStats:
     size: int
     queue_wait_s: list[float]
-    run_s: float
     skipped: int
     # Time in each stage's own thread: "prepare" (with a prepare stage) and "run". The slower
     # stage's time per batch is the pipeline's cycle.
@@ -219,7 +218,7 @@ class Batcher(Generic[T, R]):
         if not live:
             if first is not None:
                 first.release()
-            self._on_batch(BatchStats(0, [], 0.0, len(batch)))
+            self._on_batch(BatchStats(0, [], len(batch)))
             return
         for i in live:
             i.running = asyncio.Event()
@@ -269,7 +268,7 @@ class Batcher(Generic[T, R]):
                     if all(i.future.done() for i in live):
                         # Every requester went away while the batch was prepared or waited
                         # for the batch thread: its second stage (the forward) is not run.
-                        self._on_batch(BatchStats(0, [], 0.0, len(batch), stages))
+                        self._on_batch(BatchStats(0, [], len(batch), stages))
                         return
                     results: Sequence[R | BaseException] = await loop.run_in_executor(
                         self._executor, _timed(second, stages, "run")
@@ -291,5 +290,4 @@ class Batcher(Generic[T, R]):
                 item.future.set_exception(result)
             else:
                 item.future.set_result(result)
-        took = time.perf_counter() - started
-        self._on_batch(BatchStats(len(live), waits, took, len(batch) - len(live), stages))
+        self._on_batch(BatchStats(len(live), waits, len(batch) - len(live), stages))

@@ -195,7 +195,6 @@ class HeapTrimmer:
         self._wanted = False
         self._running = False
         self._trim = _malloc_trim()
-        self.trims = 0
 
     def request(self) -> None:
         if self._trim is None:
@@ -219,7 +218,6 @@ class HeapTrimmer:
                     return
                 self._wanted = False
             self._trim(0)
-            self.trims += 1
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

@@ -83,8 +83,9 @@ def parse_dtype(name: str) -> torch.dtype:
 class Attachment:
     """What ``FeaturePool.attach_consumer`` gives the hand-off server for one consumer: the
     ``welcome`` message and its FDs, in order (control block read-only, the consumer's ack
-    block read-write, then one per slab). The caller owns ``fds``: send them, then
-    ``close_fds()`` (exactly once, sent or not)."""
+    block read-write, then one per slab). The caller owns ``fds``: it closes each exactly once,
+    sent or not (the hand-off server's ``_send`` does, after the kernel has copied them;
+    ``close_fds`` is for a caller that does not send them)."""
 
     consumer_id: int
     welcome: dict[str, Any]

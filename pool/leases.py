@@ -185,10 +185,6 @@ class LeaseTable:
         """End a lease by ack or delete. A second release raises LeaseReleased."""
         return self._end(self.get(lease_id), LeaseState.RELEASED)
 
-    def expire(self, lease_id: str) -> Lease:
-        """End one lease as expired (its deadline passed before the reaper saw it)."""
-        return self._end(self.get(lease_id), LeaseState.EXPIRED)
-
     def expire_due(self) -> list[Lease]:
         """End every lease whose deadline has passed; returns them (their extents to free)."""
         return [self._end(lease, LeaseState.EXPIRED) for lease in self.due()]
