@@ -65,6 +65,7 @@ def exported() -> dict[str, set[str]]:
         pool.put(torch.ones(16), ttl_s=1.0)  # keeps one short lease alive
         pool.reap()  # the short lease that is overdue expires
         pool.release(kept.id)
+        pool.note_refused("unix", "bad_token")
         stats = pool.stats()
         assert stats["fallbacks"] and stats["expired"] and stats["released"]
         assert stats["alloc_failures"] and stats["created"]
