@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # PIL's resampling enum (PIL.Image.Resampling), as preprocessor_config.json stores `resample`.
 NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5
 _FILTERS = {NEAREST: "nearest", LANCZOS: "lanczos", BILINEAR: "bilinear", BICUBIC: "bicubic"}
+# OpenAI CLIP's normalisation, which CLIP towers and the Qwen2-VL processors default to.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def device_index(idx: list[int], device: torch.device) -> torch.Tensor:

@@ -15,21 +15,19 @@ from types import ModuleType
 import torch
 
 from app.encoders.base import ModuleEncoder, default_dtype, resolve_device
-from app.preprocess import ImageSpec, three_numbers
+from app.preprocess import CLIP_MEAN, CLIP_STD, ImageSpec, three_numbers
 
 log = logging.getLogger(__name__)
 
 # model_type -> (vision tower class, default mean, default std). A full SigLIP/CLIP checkpoint
 # (vision + text) loads its vision tower through the same class. _PROCESSORS: the image
 # processor class of a tower-only checkpoint whose preprocessor_config.json names none.
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _HALF = (0.5, 0.5, 0.5)
 _TOWERS: dict[str, tuple[str, tuple[float, float, float], tuple[float, float, float]]] = {
     "siglip": ("SiglipVisionModel", _HALF, _HALF),
     "siglip_vision_model": ("SiglipVisionModel", _HALF, _HALF),
-    "clip": ("CLIPVisionModel", _CLIP_MEAN, _CLIP_STD),
-    "clip_vision_model": ("CLIPVisionModel", _CLIP_MEAN, _CLIP_STD),
+    "clip": ("CLIPVisionModel", CLIP_MEAN, CLIP_STD),
+    "clip_vision_model": ("CLIPVisionModel", CLIP_MEAN, CLIP_STD),
 }
 
 

@@ -30,6 +30,8 @@ from torch import nn
 from app.encoders.base import default_dtype, resolve_device
 from app.preprocess import (
     BICUBIC,
+    CLIP_MEAN,
+    CLIP_STD,
     interpolation,
     load_image_processor,
     rescale_normalize,
@@ -54,8 +56,6 @@ TOWERS: dict[str, tuple[str, str]] = {
 # Where the tower's tensors live in a full checkpoint: transformers 5 saves "model.visual.*",
 # the published Qwen checkpoints (and transformers 4) "visual.*".
 WEIGHT_PREFIXES = ("model.visual.", "visual.")
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 VARLEN_ATTENTION = "featpool_flash_varlen"
 
 
@@ -69,8 +69,8 @@ class QwenPreprocessor:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    mean: tuple[float, ...] = _CLIP_MEAN
-    std: tuple[float, ...] = _CLIP_STD
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
     rescale_factor: float = 1 / 255
     do_rescale: bool = True
     do_normalize: bool = True
