@@ -282,11 +282,13 @@ class FeatureClient:
 
         Marks the lease opened in this consumer's ack words first: from then on the producer
         does not reuse its memory until ``release`` (or this client's disconnect), even past
-        the deadline or a DELETE (docs/protocol.md 4). Then waits on the host, up to
-        ``timeout_s`` (default: the client's ``timeout_s``), until the lease is published,
-        raising TimeoutError if it is not (a producer that died before publishing). On the GPU
-        tier it then also enqueues the stream wait on the ready word, which orders your later
-        kernels on the current stream after the producer's copy.
+        the deadline or a DELETE (docs/protocol.md 4). One mark per lease and client: a
+        second ``open`` of the same lease in this client shares it, and the first ``release``
+        lets the memory go for both (open once per client and share the view). Then waits on
+        the host, up to ``timeout_s`` (default: the client's ``timeout_s``), until the lease
+        is published, raising TimeoutError if it is not (a producer that died before
+        publishing). On the GPU tier it then also enqueues the stream wait on the ready word,
+        which orders your later kernels on the current stream after the producer's copy.
 
         ``host_wait=False`` (GPU tier): skip the host wait and return at once, with only the
         stream wait enqueued; nothing then bounds that wait if the producer dies before its
@@ -313,32 +315,42 @@ class FeatureClient:
                 f"with GET /v1/leases/{desc['lease_id']}/tensor"
             )
         gpu = self._transports[desc["tier"]] == "cuda_vmm"
-        if ctrl is not None:
-            self._mark_opened(desc, ctrl, slot, gen)
-        if ctrl is not None and (host_wait or not gpu):
-            limit = self.timeout_s if timeout_s is None else timeout_s
-            deadline = time.monotonic() + limit
-            while not gen_reached(ctrl.ready(slot), gen):
-                if ctrl.gen(slot) != gen:
-                    self._withdraw(slot, gen)
-                    raise StaleLease(f"lease {desc['lease_id']} ended before it was ready")
-                if time.monotonic() > deadline:
-                    self._withdraw(slot, gen)
-                    raise TimeoutError(
-                        f"lease {desc['lease_id']} not published after {limit}s: the producer "
-                        f"may have died before its copy (lookup or reattach to find out)"
-                    )
-                time.sleep(0.0001)
-        if gpu:
-            self._cuda.wait_ready(slot, gen)
-        view = mapping.tensor(int(desc["offset"]), parse_dtype(desc["dtype"]), tuple(desc["shape"]))
-        reason = self._cuda.copy_reason if gpu else ""
-        if not reason:
-            return view
-        out: torch.Tensor = self._cuda.copy_here(view)
-        with self._count_lock:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        return out
+
+        def view() -> torch.Tensor:  # once marked opened (or on another node: no marks there)
+            if ctrl is not None and (host_wait or not gpu):
+                limit = self.timeout_s if timeout_s is None else timeout_s
+                deadline = time.monotonic() + limit
+                while not gen_reached(ctrl.ready(slot), gen):
+                    if ctrl.gen(slot) != gen:
+                        raise StaleLease(f"lease {desc['lease_id']} ended before it was ready")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"lease {desc['lease_id']} not published after {limit}s: the "
+                            f"producer may have died before its copy (lookup or reattach to "
+                            f"find out)"
+                        )
+                    time.sleep(0.0001)
+            if gpu:
+                self._cuda.wait_ready(slot, gen)
+            shape = tuple(desc["shape"])
+            out: torch.Tensor = mapping.tensor(
+                int(desc["offset"]), parse_dtype(desc["dtype"]), shape
+            )
+            reason = self._cuda.copy_reason if gpu else ""
+            if reason:
+                out = self._cuda.copy_here(out)
+                with self._count_lock:
+                    self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            return out
+
+        if ctrl is None:
+            return view()
+        self._mark_opened(desc, ctrl, slot, gen)
+        try:
+            return view()
+        except BaseException:  # no view for the caller to release: our mark must not hold it
+            self._withdraw(slot, gen)
+            raise
 
     def _mark_opened(
         self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int
@@ -446,6 +458,13 @@ class FeatureClient:
                     f"the producer closed the hand-off connection ({e}); it may have restarted: "
                     f"call reattach()"
                 ) from e
+            except BaseException:
+                # A timeout (or a broken frame) leaves this request's answer, or part of it,
+                # on the connection: the next request would read it as its own (another
+                # lease's descriptor). The connection is dropped; reattach() makes a new one.
+                self._sock.close()
+                self._sock = None
+                raise
         _raise_if_error(reply)
         return reply
 
@@ -467,7 +486,8 @@ class FeatureClient:
     def close(self) -> None:
         """Unmap (on the GPU after this process's queued reads and acks finished), then hang
         up: the producer frees what only this consumer held open. Tensors from ``open`` stay
-        readable (old bytes) until they are gone."""
+        mapped (reading them does not fault) until they are gone, but their memory is the
+        pool's again: a later put may overwrite it. Release or drop them first."""
         try:
             self._unmap()
         finally:

@@ -41,6 +41,7 @@ from pool.descriptor import MIN_TTL_S, LeaseDescriptor
 from pool.errors import (
     HandoffError,
     InvalidTensor,
+    LeaseNotFound,
     PoolError,
     PoolExhausted,
     SlotsExhausted,
@@ -235,6 +236,8 @@ class FeaturePool:
         or freed gives up the interpreter lock, and waits to take it back when the process
         is busy).
         """
+        if self.closed:
+            raise PoolError("the pool is closed")
         ttl = self.clamp_ttl(ttl_s)
         if grids is not None and len(grids) != len(tensors):
             raise ValueError(f"{len(grids)} grids for {len(tensors)} tensors")
@@ -256,23 +259,27 @@ class FeaturePool:
         checked: dict[int, torch.Tensor] = {}  # each tensor as checked (not for rows)
         placed: dict[str, list[tuple[Lease, int]]] = {}  # by tier name: (lease, which tensor)
         inline: list[tuple[Lease, int]] = []
-        for n, given in enumerate(specimens):
-            try:
-                tensor = given if rows is not None else self._checked(given)
-                nbytes = tensor.numel() * tensor.element_size()
-                lease, tier = self._reserve(tensor, nbytes, ttl, deadline)
-            except PoolError as e:
-                results.append(e)
-                continue
-            if rows is None:
-                checked[n] = tensor
-            if grids is not None:
-                lease.grid = grids[n]
-            results.append(lease)
-            if tier is not None:
-                placed.setdefault(tier.name, []).append((lease, n))
-            else:
-                inline.append((lease, n))
+        try:
+            for n, given in enumerate(specimens):
+                try:
+                    tensor = given if rows is not None else self._checked(given)
+                    nbytes = tensor.numel() * tensor.element_size()
+                    lease, tier = self._reserve(tensor, nbytes, ttl, deadline)
+                except PoolError as e:
+                    results.append(e)
+                    continue
+                if rows is None:
+                    checked[n] = tensor
+                if grids is not None:
+                    lease.grid = grids[n]
+                results.append(lease)
+                if tier is not None:
+                    placed.setdefault(tier.name, []).append((lease, n))
+                else:
+                    inline.append((lease, n))
+        except BaseException:  # out of memory making one contiguous, say: none of it stays
+            self._undo([r for r in results if isinstance(r, Lease)])
+            raise
         leases = [r for r in results if isinstance(r, Lease)]
         unbound: list[torch.Tensor] = []
 
@@ -507,6 +514,8 @@ class FeaturePool:
         ended on the spot (the reaper may not have run yet) and raises LeaseReleased or
         LeaseExpired."""
         lease = self.leases.get(lease_id)
+        if lease.state is LeaseState.RESERVED:  # still being copied in: not anyone's yet
+            raise LeaseNotFound(f"lease {lease_id} is not published yet")
         ready = lease.state is LeaseState.READY and lease.extent is not None
         if ready and self._acked(np.array([lease.slot]))[0]:
             self._end(lease, reason="ack")

@@ -206,11 +206,12 @@ class HandoffServer:
         """Stop serving: every connection is closed (its consumer counted as gone)."""
         self._closing = True
         if self._thread is not None:
-            assert self._wake is not None
-            try:
-                self._wake[1].send(b"\0")
-            except OSError:
-                pass
+            wake = self._wake  # None once the loop has ended (closing, or a bug killed it)
+            if wake is not None:
+                try:
+                    wake[1].send(b"\0")
+                except OSError:  # the loop closed it meanwhile
+                    pass
             self._thread.join(timeout=5)
             if self._thread.is_alive():
                 log.error("the hand-off loop did not stop within 5 s")

@@ -653,8 +653,8 @@ def bytes_in_place_at_each_word(
     seen: list[bool] = []
 
     def check() -> None:
-        reads = zip(pool.leases, tensors, strict=True)
-        seen.append(all(torch.equal(pool.read(lease.id), t) for lease, t in reads))
+        reads = zip(pool.leases, tensors, strict=True)  # still reserved: read where they lie
+        seen.append(all(torch.equal(pool._view_locked(lease).cpu(), t) for lease, t in reads))
 
     drv.on_write.append(check)
     return seen

@@ -7,7 +7,9 @@ from pool.backends.host_shm import HostShmBackend
 from pool.errors import (
     InvalidTensor,
     LeaseExpired,
+    LeaseNotFound,
     LeaseReleased,
+    PoolError,
     PoolExhausted,
     TensorTooLarge,
 )
@@ -232,6 +234,10 @@ def test_a_lease_whose_deadline_passes_during_its_copy_keeps_its_memory_until_th
         assert backend.copying.wait(10)
         clock.advance(1.0)
         p.reap()  # the deadline has passed while the copy runs
+        (reserved,) = list(p.leases)
+        for end in (p.get, p.release, p.read):  # nor is it anyone's to look up or end yet
+            with pytest.raises(LeaseNotFound, match="not published yet"):
+                end(reserved.id)
         with pytest.raises(PoolExhausted):  # its bytes are still being written
             p.put(torch.full((1024,), 2.0), ttl_s=60)
     finally:
@@ -244,3 +250,24 @@ def test_a_lease_whose_deadline_passes_during_its_copy_keeps_its_memory_until_th
     assert torch.equal(p.read(second.id), torch.full((1024,), 2.0))
     assert p.stats()["expired"] == {"host": 1}
     p.close()
+
+
+def test_a_batch_that_fails_midway_gives_back_what_it_reserved(clock: FakeClock) -> None:
+    """An error that is no PoolError for tensor k of a batch (here: out of memory making a
+    huge expanded view contiguous) must not leave tensors 0..k-1 reserved: the reaper leaves
+    reserved leases to their put, so nothing else would ever free them."""
+    p = FeaturePool([HostShmBackend([MiB])], max_leases=8, clock=clock)
+    huge = torch.zeros(1).expand(1 << 42)  # 16 TiB once contiguous
+    with pytest.raises((RuntimeError, MemoryError)):
+        p.put_many([torch.ones(1024), huge])
+    s = p.stats()
+    assert s["leases_active"] == 0 and s["tiers"][0]["used_bytes"] == 0
+    assert not p.ctrl.slots["gen"].any()
+    p.close()
+
+
+def test_put_into_a_closed_pool_is_a_pool_error() -> None:
+    p = make_pool([MiB])
+    p.close()
+    with pytest.raises(PoolError, match="closed"):
+        p.put(torch.ones(8))

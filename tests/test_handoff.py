@@ -7,8 +7,10 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from pool.errors import HandoffError, PeerRejected, PoolRestarted, StaleLease
 from pool.featurepool import FeaturePool
 from pool.protocol import MAX_FDS, PROTOCOL_VERSION, recv_msg, send_msg
 from pool.server import HandoffServer
+from tests.conftest import FakeClock
 
 MiB = 1 << 20
 
@@ -372,3 +375,91 @@ def test_fds_lost_in_transit_are_an_error_and_none_is_kept() -> None:
             os.close(fd)
         ours.close()
         theirs.close()
+
+
+def test_a_timed_out_request_does_not_leave_its_answer_for_the_next_one(tmp_path: Path) -> None:
+    """A lookup that times out (the producer busy past the client's timeout) leaves its answer
+    on the connection: read as the next request's answer, open(B) returned A's bytes. The
+    client drops that connection instead; reattach() gets a clean one."""
+    pool = FeaturePool([HostShmBackend([1 << 20])], max_leases=16)
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    try:
+        a, b = pool.put(torch.full((4,), 1.0)), pool.put(torch.full((4,), 2.0))
+        client = FeatureClient.connect(server.path, timeout_s=0.3)
+        # the producer holds its lock longer than the client waits
+        with pool._lock, pytest.raises(TimeoutError):
+            client.lookup(a.id)
+        time.sleep(0.2)  # the late answer arrives
+        with pytest.raises(HandoffError, match=r"connect again|reattach"):
+            client.open(b.id)
+        client.reattach()
+        assert torch.equal(client.open(b.id), torch.full((4,), 2.0))
+        client.release(b.id)
+        client.close()
+    finally:
+        server.close()
+        pool.close()
+
+
+def test_an_open_that_fails_after_marking_the_lease_withdraws_its_mark(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """open() marks the lease opened before it builds the view; if building it fails (a CUDA
+    out-of-memory on a cross-GPU copy, say) the caller has nothing to release, so the mark
+    must go, or the lease's memory stays quarantined for quarantine_s after it ends."""
+    pool = FeaturePool([HostShmBackend([4096])], max_leases=4, inline_max_bytes=0, clock=clock)
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    try:
+        lease = pool.put(torch.ones(1024), ttl_s=5)
+        client = FeatureClient.connect(server.path)
+
+        class Failing:
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def tensor(self, *args: object) -> torch.Tensor:
+                raise MemoryError("out of memory building the view")
+
+            def close(self) -> None:
+                self.inner.close()
+
+        client._slabs[("host", 0)] = Failing(client._slabs[("host", 0)])  # type: ignore[assignment]
+        with pytest.raises(MemoryError):
+            client.open(pool.describe(lease).wire())
+        clock.advance(10)
+        pool.reap()  # expired: with the mark left, held in quarantine for 300 s
+        s = pool.stats()
+        assert s["quarantined_leases"] == 0 and s["tiers"][0]["used_bytes"] == 0
+        client.close()
+    finally:
+        server.close()
+        pool.close()
+
+
+def test_close_after_a_bug_killed_the_loop_still_cleans_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loop logs and ends on a bug of its own; close() must still remove the socket file
+    (it asserted the loop's wake-up socket was there, and raised before cleaning up)."""
+
+    class Buggy(HandoffServer):
+        def _admit(self, sock: socket.socket) -> None:  # type: ignore[override]
+            raise ValueError("a bug")
+
+    pool = FeaturePool([HostShmBackend([1 << 20])], max_leases=4)
+    server = Buggy(pool, tmp_path / "s.sock")
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(server.path))
+            thread = server._thread
+            assert thread is not None
+            thread.join(5)
+            assert not thread.is_alive()
+        assert "the hand-off loop failed" in caplog.text
+        server.close()
+        assert not server.path.exists()
+    finally:
+        pool.close()
