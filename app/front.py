@@ -119,6 +119,8 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
             )
         except httpx.TransportError as e:
             raise ApiError("not_ready", f"the GPU process is not reachable ({e})") from e
+        except httpx.InvalidURL:  # a control character in the path: no route has one
+            raise ApiError("not_found", f"no route for {request.url.path[:200]!r}") from None
         return Response(
             r.content,
             status_code=r.status_code,

@@ -108,6 +108,9 @@ def test_fronts_serve_the_same_api(fronted: tuple[str, Path, subprocess.Popen[by
     )
     assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
     assert httpx.get(f"{url}/v1/leases/nope").status_code == 404
+    for odd in ("/%00", "/x%7f", "/docs%09"):  # no route; forwarding them was a 500
+        r = httpx.get(f"{url}{odd}")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found", (odd, r.text)
     assert "/v1/encode" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
     # A consumer maps them through the hand-off socket as usual.
