@@ -124,9 +124,14 @@ class FeatureIndex:
                 self._drop(scope, digest, "ended")
 
     def check_id(self, scope: str, client_id: str, digest: str) -> None:
-        """409 if ``client_id`` already names other features that are still indexed."""
+        """409 if ``client_id`` already names other features that are still indexed (checked
+        before any work; ``add`` checks again, for a request with the same id that finished
+        meanwhile)."""
         with self._lock:
-            bound = self._ids.get((scope, client_id))
+            self._check_id_locked(scope, client_id, digest)
+
+    def _check_id_locked(self, scope: str, client_id: str, digest: str) -> None:
+        bound = self._ids.get((scope, client_id))
         if bound is not None and bound != digest and (scope, bound) in self._entries:
             raise ApiError(
                 "id_conflict",
@@ -145,6 +150,8 @@ class FeatureIndex:
         client_id: str | None = None,
     ) -> None:
         with self._lock:
+            if client_id is not None:  # two requests naming other images with one id at once
+                self._check_id_locked(scope, client_id, digest)
             key = (scope, digest)
             entry = self._entries.get(key)
             if entry is None or entry.shape != shape or entry.dtype != dtype:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -279,3 +280,20 @@ def test_every_descriptor_of_a_lease_names_its_features(
                 )
     for item in (first, copy):
         c.delete(f"/v1/leases/{item['lease_id']}")
+
+
+def test_an_id_taken_by_a_request_that_finished_first_is_refused_when_binding(
+    make_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests name different images with one id at once: both pass the check made
+    before any work, and the second to finish must still get 409 (both got 200, the id then
+    naming whichever bound last), its leases given back."""
+    c = make_client()
+    engine = c.app.state.engine  # type: ignore[attr-defined]
+    first = upload(c, CAT, "?id=same").json()["items"][0]
+    monkeypatch.setattr(engine.index, "check_id", lambda *a: None)  # as if both passed it
+    used = occupancy(c)
+    r = upload(c, DOG, "?id=same")
+    assert r.status_code == 409 and r.json()["error"]["type"] == "id_conflict"
+    assert occupancy(c) == used  # the refused request's lease went back
+    assert c.get("/v1/features/same").json()["feature_hash"] == first["feature_hash"]
