@@ -3,12 +3,16 @@ variable (``FEATPOOL_POOL_BYTES``)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -24,6 +28,8 @@ from app.jobs import channel_paths
 from app.main import create_app
 from app.settings import Settings, auto_http_workers, usable_cores
 from pool.errors import PoolError
+
+log = logging.getLogger("app.fronts")
 
 
 class CliSettings(Settings):
@@ -70,14 +76,17 @@ def _claim_port(host: str, port: int) -> socket.socket:
         sys.exit(f"featpool: cannot listen on {host}:{port} (--host, --port): {e}")
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the front process, before exec: get SIGTERM when the GPU process ends, however it
-    ends (uvicorn re-raises SIGTERM after its shutdown, so no `finally` of ours runs then)."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    ends (uvicorn re-raises SIGTERM after its shutdown, so no `finally` of ours runs then).
+    (The signal comes when the forking thread ends: the main thread, or for a replacement the
+    supervisor, which lives as long as the service.) Nothing imported here: between fork and
+    exec in a process with threads, an import could wait for a lock no thread will free."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # Hardware work queues the CUDA driver gives this process's streams (its default is 8). With 8,
@@ -139,16 +148,26 @@ def main(argv: list[str] | None = None) -> None:
         "PROMETHEUS_MULTIPROC_DIR": str(front_metrics),
     }
     fronts: list[subprocess.Popen[bytes]] = []
+    stopping = threading.Event()
+
+    def start_front() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "app.front"],
+            env=env,
+            # Fork before uvicorn starts threads; a replacement forks from the supervisor's
+            # thread, and runs nothing of this process's Python before its exec.
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
+
     try:
         for _ in range(settings.http_workers):
-            fronts.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "app.front"],
-                    env=env,
-                    # Before uvicorn starts any thread of ours: safe to fork here.
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509
-                )
-            )
+            fronts.append(start_front())
+        threading.Thread(
+            target=_supervise_fronts,
+            args=(fronts, start_front, stopping),
+            name="featpool-fronts",
+            daemon=True,
+        ).start()
         listener = _private_unix_socket(core_http)  # kept referenced: uvicorn gets its FD
         uvicorn.run(
             app,
@@ -159,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=10,
         )
     finally:
+        stopping.set()
         holder.close()
         for front in fronts:
             front.terminate()
@@ -167,6 +187,30 @@ def main(argv: list[str] | None = None) -> None:
                 front.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 front.kill()
+
+
+FRONT_RESTART_PAUSE_S = 1.0
+
+
+def _supervise_fronts(
+    fronts: list[subprocess.Popen[bytes]],
+    start: Callable[[], subprocess.Popen[bytes]],
+    stopping: threading.Event,
+) -> None:
+    """A front that exits while the service runs (killed, out of memory, a bug) is reaped and
+    replaced, and said so in the log: without this the port served on with one front fewer,
+    silently, and the dead one stayed a zombie. Its unanswered jobs were already failed and
+    their leases released by the job channel."""
+    while not stopping.wait(0.2):
+        for i, front in enumerate(fronts):
+            code = front.poll()
+            if code is None or stopping.is_set():
+                continue
+            log.error("front process %d exited (%s); starting another", front.pid, code)
+            stopping.wait(FRONT_RESTART_PAUSE_S)  # a front that dies at once does not spin
+            if not stopping.is_set():
+                fronts[i] = start()
+                log.info("front process %d replaces %d", fronts[i].pid, front.pid)
 
 
 if __name__ == "__main__":

@@ -229,3 +229,36 @@ def test_connections_are_spread_over_the_fronts(
     assert sum(held.values()) == 128, held
     # Binomial(128, 1/2): below 40 on either side has a probability under 1e-5.
     assert min(held.values()) >= 40, held
+
+
+def test_a_front_that_dies_is_replaced_and_not_left_a_zombie(
+    fronted: tuple[str, Path, subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """SIGKILL one front: the GPU process reaps it, logs it, and starts another, so the port
+    is served by as many fronts as configured (it was one fewer, silently, the dead one a
+    zombie), and requests keep succeeding."""
+    url, _, proc = fronted
+    before = front_pids(proc.pid)
+    assert len(before) == 2
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = front_pids(proc.pid)
+        if victim not in children_of(proc.pid) and len(now) == 2:
+            break
+        time.sleep(0.1)
+    now = front_pids(proc.pid)
+    assert victim not in children_of(proc.pid), "the killed front was not reaped"
+    assert len(now) == 2 and now - before, now
+    for _ in range(8):  # whichever front the kernel hands each connection to
+        with httpx.Client() as c:
+            r = c.post(
+                f"{url}/v1/encode",
+                content=image_bytes("JPEG", size=(32, 32)),
+                headers={"content-type": "image/jpeg"},
+            )
+            assert r.status_code == 200, r.text
+            c.delete(f"{url}/v1/leases/{r.json()['items'][0]['lease_id']}")
+    log = (tmp_path / "server.log").read_text()
+    assert f"front process {victim} exited" in log
