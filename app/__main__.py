@@ -139,7 +139,27 @@ def main(argv: list[str] | None = None) -> None:
     core_http.parent.mkdir(parents=True, exist_ok=True)
     # A fresh directory each start: the fronts' request metrics, summed by this process.
     front_metrics = Path(tempfile.mkdtemp(prefix="featpool-front-metrics-"))
-    app = create_app(settings, front_metrics_dir=front_metrics, tune_gc=True)
+    fronts: list[subprocess.Popen[bytes]] = []
+    stopping = threading.Event()
+
+    def stop_fronts() -> None:
+        """SIGTERM each front (it stops accepting, answers what it has in flight through the
+        job channel, still open, then exits), and wait for it."""
+        stopping.set()
+        for front in fronts:
+            front.terminate()
+        for front in fronts:
+            try:
+                front.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                front.kill()
+        # Their channel for everything but encode jobs: nobody listens on it any more. (Here,
+        # in the app's shutdown: after SIGTERM uvicorn re-raises it, and no `finally` runs.)
+        core_http.unlink(missing_ok=True)
+
+    app = create_app(
+        settings, front_metrics_dir=front_metrics, tune_gc=True, stop_fronts=stop_fronts
+    )
     holder = _claim_port(settings.host, settings.port)
     env = {
         **os.environ,
@@ -147,8 +167,6 @@ def main(argv: list[str] | None = None) -> None:
         "FEATPOOL_PORT": str(holder.getsockname()[1]),
         "PROMETHEUS_MULTIPROC_DIR": str(front_metrics),
     }
-    fronts: list[subprocess.Popen[bytes]] = []
-    stopping = threading.Event()
 
     def start_front() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -178,15 +196,8 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=10,
         )
     finally:
-        stopping.set()
         holder.close()
-        for front in fronts:
-            front.terminate()
-        for front in fronts:
-            try:
-                front.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                front.kill()
+        stop_fronts()  # (stopped already, unless start-up failed)
 
 
 FRONT_RESTART_PAUSE_S = 1.0

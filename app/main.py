@@ -3,11 +3,12 @@ batcher before the first request and tears them down in reverse."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import platform
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -44,9 +45,12 @@ def create_app(
     encoder: Encoder | None = None,
     front_metrics_dir: Path | None = None,
     tune_gc: bool = False,
+    stop_fronts: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build the service. ``encoder`` replaces the configured one (tests pass a fake);
     ``front_metrics_dir`` is where HTTP front processes keep their request metrics;
+    ``stop_fronts`` (blocking) stops them, each answering what it has in flight, when this
+    process is asked to stop: before the job channel closes, which would fail those jobs;
     ``tune_gc``: once started, apply ``gc_freeze`` and ``gc_thresholds`` to the process
     (``python -m app`` owns the process; tests that build many apps in one do not)."""
     settings = settings or Settings()
@@ -111,6 +115,8 @@ def create_app(
         finally:
             gc_clock.remove()
             entry.close()  # first: new consumers go to another server while this one drains
+            if stop_fronts is not None:  # they drain through the job channel, still open
+                await asyncio.to_thread(stop_fronts)
             if jobs is not None:
                 await jobs.stop()
             await engine.stop()

@@ -262,3 +262,34 @@ def test_a_front_that_dies_is_replaced_and_not_left_a_zombie(
             c.delete(f"{url}/v1/leases/{r.json()['items'][0]['lease_id']}")
     log = (tmp_path / "server.log").read_text()
     assert f"front process {victim} exited" in log
+
+
+def test_sigterm_answers_what_the_fronts_have_in_flight(tmp_path: Path) -> None:
+    """SIGTERM to the GPU process (what Kubernetes sends) with requests waiting in the batcher:
+    the fronts are stopped first, each answering its requests through the job channel, which
+    closes only after them. Every request gets its 200 (they got 503 "the GPU process went
+    away" when the channel closed first)."""
+    import concurrent.futures
+
+    sock = tmp_path / "featpool.sock"
+    args = ("--http-workers", "2", "--max-batch-size", "64", "--max-batch-wait-ms", "1500")
+    with server_process(sock, tmp_path / "server.log", *args) as (url, proc):
+
+        def encode(i: int) -> int:
+            r = httpx.post(
+                f"{url}/v1/encode",
+                content=image_bytes("JPEG", size=(32, 32), seed=i),
+                headers={"content-type": "image/jpeg"},
+                timeout=60,
+            )
+            return r.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(encode, i) for i in range(6)]
+            time.sleep(0.5)  # all six wait for their batch (it closes after 1.5 s)
+            proc.send_signal(signal.SIGTERM)
+            statuses = [f.result() for f in futures]
+        assert proc.wait(timeout=60) is not None
+    assert statuses == [200] * 6, statuses
+    for private in (".jobs", ".http"):  # nothing left behind
+        assert not sock.with_name(sock.name + private).exists(), private
