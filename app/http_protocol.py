@@ -4,7 +4,10 @@ uvicorn answers what it cannot parse itself (``Content-Length: -1``, a broken re
 bad chunked framing, an invalid header) with a plain-text 400, before any middleware runs.
 The subclasses here answer those in the service's JSON shape ``{"error": {"type",
 "message"}}``, and bound what httptools does not: the URL (414) and the header block (431),
-counted while they arrive so that neither can grow without limit. ``http_protocol(settings)``
+counted while they arrive so that neither can grow without limit, and in time: a connection
+whose request line and headers have not all come within ``--body-timeout-s`` of its first
+byte (or of its opening) is answered 408 and closed, so silent or trickling connections
+cannot pile up (each held an FD for as long as the client liked). ``http_protocol(settings)``
 is the class to give uvicorn (``http=``): httptools where installed, as uvicorn's ``auto``.
 """
 
@@ -17,7 +20,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.settings import Settings
 
-REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+}
 
 
 def error_bytes(status: int, kind: str, message: str) -> bytes:
@@ -47,6 +55,7 @@ def http_protocol(settings: Settings) -> type[Any]:
     """The protocol class for uvicorn, with ``settings``' URL and header limits."""
     max_url = settings.max_url_bytes
     max_headers = settings.max_header_bytes
+    head_timeout_s = settings.body_timeout_s
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: h11, whose own event-size bound covers URL + headers
@@ -61,11 +70,42 @@ def http_protocol(settings: Settings) -> type[Any]:
     class JsonHttpTools(HttpToolsProtocol):
         _limit: tuple[int, str, str] | None = None
         _header_bytes = 0
+        _head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_too_slow)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            message = f"the request line and headers did not arrive within {head_timeout_s:g} s"
+            self.transport.write(error_bytes(408, "body_timeout", message))
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._limit = None
             self._header_bytes = 0
+            self._arm_head_timer()  # a later request on a kept-alive connection: its own
+
+        def on_headers_complete(self) -> None:
+            self._disarm_head_timer()
+            super().on_headers_complete()
 
         def on_url(self, url: bytes) -> None:
             super().on_url(url)

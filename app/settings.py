@@ -200,8 +200,8 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="a request body that sends nothing for this long is answered 408 and "
-        "its connection closed",
+        description="a request body that sends nothing for this long, or a request line and "
+        "headers not all in within it, is answered 408 and its connection closed",
     )
     max_url_bytes: int = Field(8192, gt=0, description="longest request URL; beyond -> 414")
     max_header_bytes: int = Field(

@@ -163,3 +163,36 @@ def test_stalled_bodies_are_answered_408_closed_and_their_memory_freed(
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'featpool_rejected_total{reason="body_timeout"} 40.0' in metrics
     assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["silent", "trickling headers"])
+def test_a_connection_without_its_headers_in_time_is_closed(
+    server: tuple[str, int, int], trickle: bool
+) -> None:
+    """Connections that send nothing, or their headers a few bytes at a time, each held an FD
+    for as long as they liked (50 of each were still open after 70 s): now the request line
+    and headers must arrive within --body-timeout-s (1.5 s here), or 408 and closed."""
+    _, port, _ = server
+    head = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        start = time.monotonic()
+        if trickle:
+            s.settimeout(0.3)
+            for i in range(len(head)):
+                try:
+                    s.sendall(head[i : i + 1])
+                except OSError:  # closed under us: the answer is already there
+                    break
+                try:
+                    if s.recv(1, socket.MSG_PEEK):
+                        break
+                except TimeoutError:
+                    continue
+            s.settimeout(10)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        took = time.monotonic() - start
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    assert json_error(out.partition(b"\r\n\r\n")[2])["type"] == "body_timeout"
+    assert 1.2 < took < 6, took
