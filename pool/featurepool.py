@@ -259,6 +259,16 @@ class FeaturePool:
         checked: dict[int, torch.Tensor] = {}  # each tensor as checked (not for rows)
         placed: dict[str, list[tuple[Lease, int]]] = {}  # by tier name: (lease, which tensor)
         inline: list[tuple[Lease, int]] = []
+        unbound: list[torch.Tensor] = []
+
+        def published(n: int) -> torch.Tensor:
+            """Tensor n as published; of ``rows``, a row (unbound once, only where needed)."""
+            if rows is None:
+                return checked[n]
+            if not unbound:
+                unbound.extend(rows.unbind(0))
+            return unbound[n]
+
         try:
             for n, given in enumerate(specimens):
                 try:
@@ -277,27 +287,13 @@ class FeaturePool:
                     placed.setdefault(tier.name, []).append((lease, n))
                 else:
                     inline.append((lease, n))
-        except BaseException:  # out of memory making one contiguous, say: none of it stays
-            self._undo([r for r in results if isinstance(r, Lease)])
-            raise
-        leases = [r for r in results if isinstance(r, Lease)]
-        unbound: list[torch.Tensor] = []
-
-        def published(n: int) -> torch.Tensor:
-            """Tensor n as published; of ``rows``, a row (unbound once, only where needed)."""
-            if rows is None:
-                return checked[n]
-            if not unbound:
-                unbound.extend(rows.unbind(0))
-            return unbound[n]
-
-        try:
             for name, items in placed.items():
                 self._publish(self.tier(name), items, published, rows)
             self._fill_inline([(lease, published(n)) for lease, n in inline])
-        except BaseException:
-            self._undo(leases)
+        except BaseException:  # a copy that failed, or out of memory making one contiguous
+            self._undo([r for r in results if isinstance(r, Lease)])
             raise
+        leases = [r for r in results if isinstance(r, Lease)]
         self._mark_ready(leases)
         return results
 
