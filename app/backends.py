@@ -63,14 +63,15 @@ def preflight(settings: Settings) -> torch.device:
         _vmm_needs_cuda(device)
     if settings.fabric_listen is not None:
         _remote_needs(settings, device)
+    # The slabs the tiers will have (the GPU tier's granularity may move its count by one:
+    # FeaturePool checks the real tiers again), so that too many is one line, not a traceback.
     gpu = settings.transport == "cuda_vmm" or (
         settings.transport == "auto" and device.type == "cuda"
     )
-    unit = 2 << 20  # the VMM granularity on current GPUs (the GPU tier rounds its slabs up to it)
-    slabs = [-(-settings.pool_bytes // (-(-settings.slab_bytes // unit) * unit))] if gpu else []
+    totals = [settings.pool_bytes] if gpu else []
     if settings.host_pool_bytes > 0:
-        slabs.append(len(split_slabs(settings.host_pool_bytes, settings.slab_bytes)))
-    check_welcome_fds(slabs)
+        totals.append(settings.host_pool_bytes)
+    check_welcome_fds([len(split_slabs(total, settings.slab_bytes)) for total in totals])
     return device
 
 
