@@ -29,7 +29,6 @@ from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, device_index, orient
 from app.settings import Settings
-from pool.descriptor import LeaseDescriptor
 from pool.errors import (
     CudaError,
     CudaUnavailable,
@@ -105,19 +104,12 @@ def batch_buckets(max_batch_size: int, steps: int = 8) -> list[int]:
     return sorted(sizes)
 
 
-@dataclass
-class Published:
-    """One image's answer: its lease, the hash of its features, and whether they were reused.
-    The lease keeps both, so that every later descriptor of it (HTTP GET and renew, the
-    socket's lookup and renew) names its features too."""
-
-    lease: Lease
-    feature_hash: str
-    cached: bool
-
-    def __post_init__(self) -> None:
-        self.lease.feature_hash = self.feature_hash
-        self.lease.cached = self.cached
+def named(lease: Lease, digest: str, cached: bool) -> Lease:
+    """``lease`` with the hash of its features and whether they were reused (a copy of
+    resident ones): kept on the lease, every descriptor of it names them (the encode answer,
+    HTTP GET and renew, the socket's lookup and renew)."""
+    lease.feature_hash, lease.cached = digest, cached
+    return lease
 
 
 # What the prepare stage hands the batch stage: the indices of the jobs that decoded, their
@@ -442,7 +434,7 @@ class Engine:
         dtype: torch.dtype | None = None,
         scope: str = "",
         ids: Sequence[str | None] | None = None,
-    ) -> list[Published]:
+    ) -> list[Lease]:
         """``encode``, except that images whose features are still in the pool (same bytes,
         same encoder identity, same scope) get a new lease on a copy of them: no decode, no
         forward pass. All or nothing, like ``encode``."""
@@ -457,20 +449,20 @@ class Engine:
         for name, digest in zip(names, digests, strict=True):
             if name is not None:
                 self.index.check_id(scope, name, digest)  # 409 before any work
-        out: list[Published | None] = [None] * len(images)
+        out: list[Lease | None] = [None] * len(images)
         try:
             if self.index.max_entries > 0:
                 for i, digest in enumerate(digests):
                     lease = self._reuse(scope, digest, ttl_s, names[i])
                     if lease is not None:
-                        out[i] = Published(lease, digest, True)
-            todo = [i for i, p in enumerate(out) if p is None]
+                        out[i] = named(lease, digest, True)
+            todo = [i for i, lease in enumerate(out) if lease is None]
             if todo:
                 leases = await self.encode(
                     [images[i] for i in todo], ttl_s, pooled=pooled, dtype=dtype
                 )
                 for i, lease in zip(todo, leases, strict=True):
-                    out[i] = Published(lease, digests[i], False)
+                    out[i] = named(lease, digests[i], False)
                     if self.index.max_entries > 0:
                         self.index.add(
                             scope,
@@ -481,16 +473,11 @@ class Engine:
                             client_id=names[i],
                         )
         except BaseException:
-            for p in out:
-                if p is not None:
-                    self.release_quietly(p.lease.id)
+            for made in out:
+                if made is not None:
+                    self.release_quietly(made.id)
             raise
-        return [p for p in out if p is not None]
-
-    def describe_published(self, p: Published) -> LeaseDescriptor:
-        """The lease descriptor, with the feature hash and whether the features were reused."""
-        assert self.pool is not None
-        return self.pool.describe(p.lease)
+        return [lease for lease in out if lease is not None]
 
     def _reuse(
         self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None
@@ -556,7 +543,7 @@ class Engine:
         ttl_s: float | None,
         shape: Sequence[int] | None = None,
         dtype: str | None = None,
-    ) -> Published:
+    ) -> Lease:
         """A new lease on the resident features named by a hash or client id."""
         if self.pool is not None and ttl_s is not None:
             self.pool.clamp_ttl(ttl_s)
@@ -571,7 +558,7 @@ class Engine:
             raise ApiError(
                 "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
             )
-        return Published(lease, digest, True)
+        return named(lease, digest, True)
 
     def _prepare(self, img: ImageIn, size: int | None) -> Job:
         """A JPEG that nvJPEG can take keeps its bytes (decoded on the GPU in batches, its

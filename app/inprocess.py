@@ -36,7 +36,7 @@ class InProcessEngineClient(EngineClient):
         self, images: Sequence[ImageIn], options: EncodeOptions
     ) -> list[LeaseDescriptor]:
         dtype = getattr(torch, options.dtype) if options.dtype else None
-        published = await self.engine.encode_cached(
+        leases = await self.engine.encode_cached(
             images,
             options.ttl_s,
             pooled=options.pooled,
@@ -44,15 +44,16 @@ class InProcessEngineClient(EngineClient):
             scope=options.scope,
             ids=options.ids,
         )
-        return [self.engine.describe_published(p) for p in published]
+        pool = self._pool()
+        return [pool.describe(lease) for lease in leases]
 
     async def features(self, q: FeatureQuery) -> FeatureInfo:
         digest, shape, dtype = self.engine.feature_info(q.scope, q.ref, q.shape, q.dtype)
         return FeatureInfo(feature_hash=digest, shape=list(shape), dtype=dtype)
 
     async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
-        p = self.engine.lease_features(q.scope, q.ref, ttl_s, q.shape, q.dtype)
-        return self.engine.describe_published(p)
+        lease = self.engine.lease_features(q.scope, q.ref, ttl_s, q.shape, q.dtype)
+        return self._pool().describe(lease)
 
     async def lease(self, lease_id: str) -> LeaseDescriptor:
         p = self._pool()
