@@ -24,19 +24,22 @@ from app.metrics import HttpMetrics
 
 log = logging.getLogger("app.access")
 
-ENDPOINTS = ("/v1/encode", "/v1/leases", "/v1/features", "/v1/pool", "/health", "/metrics")
+# prefix -> the label of a path under it, and labels by the path's last part (sub-resources)
+ENDPOINTS: dict[str, tuple[str, dict[str, str]]] = {
+    "/v1/encode": ("/v1/encode", {}),
+    "/v1/leases": ("/v1/leases/{id}", {"/tensor": "/v1/leases/{id}/tensor"}),
+    "/v1/features": ("/v1/features/{ref}", {"/lease": "/v1/features/{ref}/lease"}),
+    "/v1/pool": ("/v1/pool", {}),
+    "/health": ("/health", {}),
+    "/metrics": ("/metrics", {}),
+}
 
 
 def endpoint_label(path: str) -> str:
     """A small fixed set of label values: never a lease ID, hash or client id in a label."""
-    for prefix in ENDPOINTS:
+    for prefix, (label, by_suffix) in ENDPOINTS.items():
         if path.startswith(prefix):
-            if prefix == "/v1/leases":
-                return "/v1/leases/{id}/tensor" if path.endswith("/tensor") else "/v1/leases/{id}"
-            if prefix == "/v1/features":
-                lease = path.endswith("/lease")
-                return "/v1/features/{ref}/lease" if lease else "/v1/features/{ref}"
-            return prefix
+            return next((v for k, v in by_suffix.items() if path.endswith(k)), label)
     return "other"
 
 
