@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from pool.errors import HandoffError, PeerRejected, PoolRestarted, StaleLease
 from pool.featurepool import FeaturePool
 from pool.protocol import MAX_FDS, PROTOCOL_VERSION, recv_msg, send_msg
 from pool.server import HandoffServer
-from tests.conftest import FakeClock
 
 MiB = 1 << 20
 
@@ -377,16 +375,15 @@ def test_fds_lost_in_transit_are_an_error_and_none_is_kept() -> None:
         theirs.close()
 
 
-def test_a_timed_out_request_does_not_leave_its_answer_for_the_next_one(tmp_path: Path) -> None:
+def test_a_timed_out_request_does_not_leave_its_answer_for_the_next_one(
+    served: tuple[FeaturePool, HandoffServer],
+) -> None:
     """A lookup that times out (the producer busy past the client's timeout) leaves its answer
     on the connection: read as the next request's answer, open(B) returned A's bytes. The
     client drops that connection instead; reattach() gets a clean one."""
-    pool = FeaturePool([HostShmBackend([1 << 20])], max_leases=16)
-    server = HandoffServer(pool, tmp_path / "s.sock")
-    server.start()
-    try:
-        a, b = pool.put(torch.full((4,), 1.0)), pool.put(torch.full((4,), 2.0))
-        client = FeatureClient.connect(server.path, timeout_s=0.3)
+    pool, server = served
+    a, b = pool.put(torch.full((4,), 1.0)), pool.put(torch.full((4,), 2.0))
+    with FeatureClient.connect(server.path, timeout_s=0.3) as client:
         # the producer holds its lock longer than the client waits
         with pool._lock, pytest.raises(TimeoutError):
             client.lookup(a.id)
@@ -396,46 +393,6 @@ def test_a_timed_out_request_does_not_leave_its_answer_for_the_next_one(tmp_path
         client.reattach()
         assert torch.equal(client.open(b.id), torch.full((4,), 2.0))
         client.release(b.id)
-        client.close()
-    finally:
-        server.close()
-        pool.close()
-
-
-def test_an_open_that_fails_after_marking_the_lease_withdraws_its_mark(
-    tmp_path: Path, clock: FakeClock
-) -> None:
-    """open() marks the lease opened before it builds the view; if building it fails (a CUDA
-    out-of-memory on a cross-GPU copy, say) the caller has nothing to release, so the mark
-    must go, or the lease's memory stays quarantined for quarantine_s after it ends."""
-    pool = FeaturePool([HostShmBackend([4096])], max_leases=4, inline_max_bytes=0, clock=clock)
-    server = HandoffServer(pool, tmp_path / "s.sock")
-    server.start()
-    try:
-        lease = pool.put(torch.ones(1024), ttl_s=5)
-        client = FeatureClient.connect(server.path)
-
-        class Failing:
-            def __init__(self, inner: Any) -> None:
-                self.inner = inner
-
-            def tensor(self, *args: object) -> torch.Tensor:
-                raise MemoryError("out of memory building the view")
-
-            def close(self) -> None:
-                self.inner.close()
-
-        client._slabs[("host", 0)] = Failing(client._slabs[("host", 0)])  # type: ignore[assignment]
-        with pytest.raises(MemoryError):
-            client.open(pool.describe(lease).wire())
-        clock.advance(10)
-        pool.reap()  # expired: with the mark left, held in quarantine for 300 s
-        s = pool.stats()
-        assert s["quarantined_leases"] == 0 and s["tiers"][0]["used_bytes"] == 0
-        client.close()
-    finally:
-        server.close()
-        pool.close()
 
 
 def test_close_after_a_bug_killed_the_loop_still_cleans_up(

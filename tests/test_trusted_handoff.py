@@ -600,3 +600,35 @@ def test_quarantine_is_exported_as_metrics(
         pool.reap()
         assert sample("featpool_lease_quarantine_total", {"outcome": "released"}) == 1
         assert sample("featpool_quarantined_leases") == 0
+
+
+def test_an_open_that_fails_after_marking_the_lease_withdraws_its_mark(
+    served: tuple[FeaturePool, HandoffServer, FakeClock],
+) -> None:
+    """open() marks the lease opened before it builds the view; if building it fails (a CUDA
+    out-of-memory on a cross-GPU copy, say) the caller has nothing to release, so the mark
+    must go, or the lease's memory stays quarantined for quarantine_s after it ends."""
+    pool, server, clock = served
+    lease = pool.put(torch.ones(1024), ttl_s=5)
+    desc = pool.describe(lease).wire()
+    with FeatureClient.connect(server.path) as client:
+        where = (desc["tier"], desc["slab"])
+
+        class Failing:
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def tensor(self, *args: object) -> torch.Tensor:
+                raise MemoryError("out of memory building the view")
+
+            def close(self) -> None:
+                self.inner.close()
+
+        client._slabs[where] = Failing(client._slabs[where])  # type: ignore[assignment]
+        with pytest.raises(MemoryError):
+            client.open(desc)
+        clock.advance(10)
+        pool.reap()  # expired: with the mark left, held in quarantine for 300 s
+        s = pool.stats()
+        assert s["quarantined_leases"] == 0 and s["leases_active"] == 0
+        assert all(t["used_bytes"] == 0 for t in s["tiers"])
