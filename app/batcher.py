@@ -38,6 +38,19 @@ class _Item(Generic[T, R]):
 
 
 @dataclass
+class _Place:
+    """A batch's place in the batch thread's order: its turn comes once the batch gathered
+    before it has taken its own (``after``); ``mine`` says the same to the batch after it."""
+
+    after: asyncio.Future[None] | None
+    mine: asyncio.Future[None]
+
+    def taken(self) -> None:
+        if not self.mine.done():
+            self.mine.set_result(None)
+
+
+@dataclass
 class BatchStats:
     size: int
     queue_wait_s: list[float]
@@ -169,8 +182,9 @@ class Batcher(Generic[T, R]):
                 self._slots.release()
                 raise
             loop = asyncio.get_running_loop()
-            after, self._order = self._order, loop.create_future()
-            task = loop.create_task(self._run(batch, after, self._order))
+            place = _Place(self._order, loop.create_future())
+            self._order = place.mine
+            task = loop.create_task(self._run(batch, place))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
@@ -188,27 +202,16 @@ class Batcher(Generic[T, R]):
             batch.append(self._queue.get_nowait())
         return batch
 
-    async def _run(
-        self,
-        batch: list[_Item[T, R]],
-        after: asyncio.Future[None] | None,
-        mine: asyncio.Future[None],
-    ) -> None:
+    async def _run(self, batch: list[_Item[T, R]], place: _Place) -> None:
         try:
             # With a prepare stage, the turns are taken in _run_live and _run_items instead.
             async with self._turn if self._prepare is None else contextlib.nullcontext():
-                await self._run_live(batch, after, mine)
+                await self._run_live(batch, place)
         finally:
-            if not mine.done():
-                mine.set_result(None)
+            place.taken()  # (a batch skipped, failed or run without a prepare stage)
             self._slots.release()
 
-    async def _run_live(
-        self,
-        batch: list[_Item[T, R]],
-        after: asyncio.Future[None] | None,
-        mine: asyncio.Future[None],
-    ) -> None:
+    async def _run_live(self, batch: list[_Item[T, R]], place: _Place) -> None:
         first = self._prep_turn if self._prepare is not None else None
         if first is not None:
             await first.acquire()
@@ -223,22 +226,20 @@ class Batcher(Generic[T, R]):
         for i in live:
             i.running = asyncio.Event()
         try:
-            await self._run_items(batch, live, first, after, mine)
+            await self._run_items(batch, live, first, place)
         finally:
             for i in live:
                 assert i.running is not None
                 i.running.set()
 
     @contextlib.asynccontextmanager
-    async def _batch_turn(
-        self, after: asyncio.Future[None] | None, mine: asyncio.Future[None]
-    ) -> AsyncIterator[None]:
+    async def _batch_turn(self, place: _Place) -> AsyncIterator[None]:
         """The batch thread's turn, taken after the batch gathered before this one took its
         own: a batch prepared sooner on another prepare thread waits for it."""
-        if after is not None:
-            await after
+        if place.after is not None:
+            await place.after
         async with self._turn:
-            mine.set_result(None)
+            place.taken()
             yield
 
     async def _run_items(
@@ -246,8 +247,7 @@ class Batcher(Generic[T, R]):
         batch: list[_Item[T, R]],
         live: list[_Item[T, R]],
         first: asyncio.Semaphore | None,
-        after: asyncio.Future[None] | None,
-        mine: asyncio.Future[None],
+        place: _Place,
     ) -> None:
         started = time.perf_counter()
         waits = [started - i.enqueued for i in live]
@@ -264,7 +264,7 @@ class Batcher(Generic[T, R]):
                     )
                 finally:
                     first.release()
-                async with self._batch_turn(after, mine):
+                async with self._batch_turn(place):
                     if all(i.future.done() for i in live):
                         # Every requester went away while the batch was prepared or waited
                         # for the batch thread: its second stage (the forward) is not run.
