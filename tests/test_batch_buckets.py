@@ -3,13 +3,16 @@ padding, and the engine padding a batch to the next size and handing back only i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from app.encoders import build_encoder
 from app.engine import Engine, batch_buckets
 from app.metrics import Metrics
-from app.settings import Settings
+from app.settings import Settings, auto_max_batch_size
 
 
 @pytest.mark.parametrize("largest", [1, 2, 7, 16, 32, 100, 128, 256, 512])
@@ -46,3 +49,11 @@ def test_engine_pads_to_the_next_size_and_returns_its_own_rows() -> None:
     out = engine._forward(x)
     assert seen[-1] == 96 and out.shape[0] == 81
     assert torch.allclose(out.float(), encode(x).float(), atol=1e-5)
+
+
+def test_default_largest_batch_is_chosen_for_the_device(
+    make_client: Callable[..., TestClient],
+) -> None:
+    assert auto_max_batch_size(cuda=True) == 128 and auto_max_batch_size(cuda=False) == 32
+    engine = make_client().app.state.engine  # type: ignore[attr-defined]
+    assert engine.settings.max_batch_size == 32 and engine.batcher.max_batch_size == 32
