@@ -150,6 +150,16 @@ def _query(q: FeatureQuery) -> dict[str, Any]:
     }
 
 
+def _handed_over(op: str, body: dict[str, Any]) -> list[str]:
+    """The leases a job's answer hands to its caller (who must release them, or its stand-in
+    when the caller went away)."""
+    if op == "encode":
+        return [item["lease_id"] for item in body.get("items", [])]
+    if op == "lease_features":
+        return [str(body["lease_id"])]
+    return []
+
+
 async def _readable(sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
@@ -487,7 +497,7 @@ class _Connection:
 
     writer: asyncio.StreamWriter
     arena: FrontArena | None
-    waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
+    waiting: dict[int, tuple[str, asyncio.Future[Reply]]] = field(default_factory=dict)  # op
     placed: dict[int, Extent] = field(default_factory=dict)  # job -> its images' range
 
     def answered(self, job: int) -> None:
@@ -504,7 +514,7 @@ class _Connection:
             self.arena.close()
         self.writer.close()
         waiting, self.waiting = self.waiting, {}
-        for fut in waiting.values():
+        for _, fut in waiting.values():
             if not fut.done():
                 fut.set_exception(ApiError("not_ready", "the GPU process went away"))
 
@@ -590,7 +600,8 @@ class JobClient(EngineClient):
         conn = await self._connection()
         job = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        conn.waiting[job] = fut
+        conn.waiting[job] = (str(header["op"]), fut)
+        sent = False
         try:
             async with self._write_lock:
                 if conn.writer.is_closing():
@@ -601,6 +612,7 @@ class JobClient(EngineClient):
                 # Placed and written without a pause: a frame in the transport's buffer goes
                 # out (and is answered, which frees its range) even if we are cancelled now.
                 _put(conn.writer, frame, payload)
+                sent = True
                 try:
                     await conn.writer.drain()
                 except ConnectionError as e:
@@ -609,8 +621,10 @@ class JobClient(EngineClient):
             if self._metrics is not None and header.get("op") == "encode":
                 self._metrics.front_job_seconds.observe(time.perf_counter() - started)
         finally:
-            # Cancelled (the client hung up): the answer, when it comes, is released unread.
-            conn.waiting.pop(job, None)
+            # A job sent stays listed until its answer comes (the read loop takes it off): if
+            # we were cancelled (the client hung up), the answer's leases are given back.
+            if not sent:
+                conn.waiting.pop(job, None)
         if status != 200:
             err = body.get("error", {})
             kind = err.get("type") if err.get("type") in STATUS else "internal_error"
@@ -697,7 +711,7 @@ class JobClient(EngineClient):
                 header, payload = await _read(reader)
                 job = int(header["id"])
                 conn.answered(job)  # its range in the arena is free again
-                fut = conn.waiting.pop(job, None)
+                op, fut = conn.waiting.pop(job, ("", None))
                 if fut is not None and not fut.done():
                     fut.set_result(
                         (
@@ -708,7 +722,7 @@ class JobClient(EngineClient):
                         )
                     )
                 elif header.get("status") == 200:  # nobody waits: give the leases back now
-                    ids = [i["lease_id"] for i in header["body"].get("items", [])]
+                    ids = _handed_over(op, header["body"])
                     if ids:
                         await self._send(conn, {"id": 0, "op": "discard", "lease_ids": ids})
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):

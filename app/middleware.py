@@ -89,6 +89,7 @@ class ServiceMiddleware:
             await send(message)
 
         received = 0
+        first: Message | None = None  # the empty body of a request without one, read early
         handler = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         hung_up = False
@@ -101,7 +102,10 @@ class ServiceMiddleware:
                 handler.cancel()
 
         async def receive_wrapper() -> Message:
-            nonlocal received, watcher
+            nonlocal received, watcher, first
+            if first is not None:
+                message, first = first, None
+                return message
             if watcher is None and self.body_timeout_s is not None:
                 # Still reading the body: each piece must come within the timeout.
                 try:
@@ -122,6 +126,11 @@ class ServiceMiddleware:
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
                 raise _BodyTooLargeError
+            if b"transfer-encoding" not in headers and length in (None, b"0"):
+                # No body: a handler may never read one (POST /v1/features/{ref}/lease does
+                # not), and the watch starts only once the body is in. Read it now; the app
+                # gets it if it asks.
+                first = await receive_wrapper()
             await self.app(scope, receive_wrapper, send_wrapper)
         except asyncio.CancelledError:
             if not hung_up or handler is None:

@@ -10,18 +10,20 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import image_bytes
 from tests.e2e.test_server_and_consumer import CONSUMER
-from tests.helpers import ROOT, server_process
+from tests.helpers import ROOT, server_process, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -293,3 +295,37 @@ def test_sigterm_answers_what_the_fronts_have_in_flight(tmp_path: Path) -> None:
     assert statuses == [200] * 6, statuses
     for private in (".jobs", ".http"):  # nothing left behind
         assert not sock.with_name(sock.name + private).exists(), private
+
+
+def test_a_lease_request_whose_client_hangs_up_leaves_no_lease(tmp_path: Path) -> None:
+    """POST /v1/features/{ref}/lease sends no body. Its client hangs up while the GPU process
+    (stopped here) has the job: the front cancels the handler and releases the lease when the
+    answer comes, at once, not at its TTL of an hour."""
+    sock = tmp_path / "featpool.sock"
+    with server_process(sock, tmp_path / "server.log", "--http-workers", "1") as (url, proc):
+        jpeg = image_bytes("JPEG", size=(32, 32))
+        r = httpx.post(
+            f"{url}/v1/encode", content=jpeg, headers={"content-type": "image/jpeg"}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        ref = r.json()["items"][0]["feature_hash"]
+
+        def pool() -> dict[str, Any]:
+            return httpx.get(f"{url}/v1/pool", timeout=10).json()  # type: ignore[no-any-return]
+
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(
+                f"POST /v1/features/{ref}/lease?ttl_s=3600 HTTP/1.1\r\nHost: x\r\n"
+                "Content-Length: 0\r\n\r\n".encode()
+            )
+            time.sleep(0.5)  # the front has sent the job
+            s.close()
+            time.sleep(0.5)  # and seen the hang-up
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        # The lease was made (a second one), then given back: one lease left, the encode's.
+        assert wait_until(lambda: sum(pool()["created"].values()) == 2, 10), pool()
+        assert wait_until(lambda: pool()["leases_active"] == 1, 5), pool()
