@@ -438,8 +438,9 @@ class JobServer:
         if isinstance(body, EncodeResponse):  # an encode job's answer, serialised by pydantic
             leases = [item.lease_id for item in body.items]
             await replies.send(frame, [out] if out else (), leases, body)
-        else:
-            await replies.send({**frame, "body": body}, [out] if out else (), [])
+        else:  # a lease_features answer hands over a lease too
+            leases = _handed_over(str(header.get("op")), body) if status == 200 else []
+            await replies.send({**frame, "body": body}, [out] if out else (), leases)
 
     async def _answer(
         self, h: dict[str, Any], datas: list[memoryview]

@@ -19,7 +19,7 @@ import pytest
 
 import app.routes
 from app.admission import Admission, BoundedExecutor
-from app.engine_client import EncodeOptions, ImageIn
+from app.engine_client import EncodeOptions, FeatureQuery, ImageIn
 from app.errors import ApiError
 from app.imaging import inspect
 from app.jobs import JobClient, channel_paths
@@ -380,3 +380,37 @@ def test_bounded_executor_counts_a_call_until_its_thread_is_done() -> None:
         ex.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_lease_answered_to_a_front_that_went_away_is_released(tmp_path: Path) -> None:
+    """A front's connection closes while the GPU process makes a lease_features lease for it
+    (slowed here): the answer cannot be written, and its lease goes back at once, as an encode
+    answer's do, instead of living until its TTL of an hour."""
+    settings = small_settings(tmp_path, http_workers=1)
+    with live_server(settings) as live:
+        r = httpx.post(
+            f"{live.url}/v1/encode", content=JPEG, headers={"content-type": "image/jpeg"}
+        )
+        ref = r.json()["items"][0]["feature_hash"]
+        gpu = live.app.state.engine_client
+        real = gpu.lease_features
+
+        async def slow(q: FeatureQuery, ttl_s: float | None) -> Any:
+            await asyncio.sleep(0.5)
+            return await real(q, ttl_s)
+
+        gpu.lease_features = slow
+        jobs_path, _ = channel_paths(settings.socket_path)
+
+        async def scenario() -> None:
+            client = JobClient(jobs_path)
+            job = asyncio.create_task(client.lease_features(FeatureQuery("", ref), 3600.0))
+            await asyncio.sleep(0.2)  # the job is in the GPU process
+            await client.close()  # the front goes away
+            with pytest.raises(ApiError):
+                await job
+
+        asyncio.run(scenario())
+        pool = live.app.state.engine.pool
+        assert wait_until(lambda: sum(pool.stats()["created"].values()) == 2, 5)
+        assert wait_until(lambda: pool.stats()["leases_active"] == 1, 5), pool.stats()
