@@ -536,6 +536,7 @@ class JobClient(EngineClient):
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     # ---- EngineClient ----------------------------------------------------------------------
 
@@ -618,7 +619,16 @@ class JobClient(EngineClient):
                     await conn.writer.drain()
                 except ConnectionError as e:
                     raise ApiError("not_ready", f"the GPU process went away ({e})") from e
-            status, body, headers, out = await fut
+            try:
+                status, body, headers, out = await fut
+            except asyncio.CancelledError:
+                # Cancelled in the loop turn its answer came in (the client hung up as it was
+                # answered): nobody reads that answer, so its leases go back now.
+                if fut.done() and not fut.cancelled():
+                    answer = fut.result()
+                    if answer[0] == 200:
+                        self._give_back(conn, _handed_over(str(header["op"]), answer[1]))
+                raise
             if self._metrics is not None and header.get("op") == "encode":
                 self._metrics.front_job_seconds.observe(time.perf_counter() - started)
         finally:
@@ -723,13 +733,25 @@ class JobClient(EngineClient):
                         )
                     )
                 elif header.get("status") == 200:  # nobody waits: give the leases back now
-                    ids = _handed_over(op, header["body"])
-                    if ids:
-                        await self._send(conn, {"id": 0, "op": "discard", "lease_ids": ids})
+                    self._give_back(conn, _handed_over(op, header["body"]))
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
             pass
         finally:
             conn.close()
+
+    def _give_back(self, conn: _Connection, lease_ids: list[str]) -> None:
+        """Discard the leases of an answer nobody will read. A task of its own, so that a caller
+        being cancelled can start it (with the connection gone, they live until their TTL)."""
+        if not lease_ids:
+            return
+
+        async def discard() -> None:
+            with contextlib.suppress(ConnectionError):
+                await self._send(conn, {"id": 0, "op": "discard", "lease_ids": lease_ids})
+
+        task = asyncio.create_task(discard())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
 
     async def _send(self, conn: _Connection, header: dict[str, Any]) -> None:
         async with self._write_lock:

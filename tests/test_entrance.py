@@ -414,3 +414,53 @@ def test_a_lease_answered_to_a_front_that_went_away_is_released(tmp_path: Path) 
         pool = live.app.state.engine.pool
         assert wait_until(lambda: sum(pool.stats()["created"].values()) == 2, 5)
         assert wait_until(lambda: pool.stats()["leases_active"] == 1, 5), pool.stats()
+
+
+def test_an_answer_that_comes_as_its_request_is_cancelled_gives_its_leases_back(
+    tmp_path: Path,
+) -> None:
+    """The client hangs up in the very loop turn its answer comes in: the front's read loop has
+    handed the answer over, and the request is cancelled before it reads it. The answer's
+    lease goes back at once instead of living until its TTL of an hour."""
+    settings = small_settings(tmp_path, http_workers=1, feature_cache_entries=0)
+    with live_server(settings) as live:
+        jobs_path, _ = channel_paths(settings.socket_path)
+        header = inspect(JPEG, max_pixels=10**8, max_bytes=1 << 30)
+        pool = live.app.state.engine.pool
+
+        async def scenario() -> None:
+            client = JobClient(jobs_path)
+            try:
+                assert (await client.health()).ready  # connected
+                request: asyncio.Task[Any] | None = None
+
+                class Answered:  # the read loop's hold on the request's future
+                    def __init__(self, fut: asyncio.Future[Any]) -> None:
+                        self.fut = fut
+
+                    def done(self) -> bool:
+                        return self.fut.done()
+
+                    def set_result(self, answer: Any) -> None:
+                        self.fut.set_result(answer)
+                        assert request is not None
+                        request.cancel()  # the hang-up, in the same turn
+
+                class Waiting(dict[int, Any]):
+                    def pop(self, job: int, default: Any = None) -> Any:
+                        op, fut = super().pop(job, default)
+                        return op, (Answered(fut) if fut is not None else None)
+
+                assert client._conn is not None
+                client._conn.waiting = Waiting()
+                options = EncodeOptions(ttl_s=3600.0)
+                request = asyncio.create_task(client.encode([ImageIn("x", JPEG, header)], options))
+                with pytest.raises(asyncio.CancelledError):
+                    await request
+                await asyncio.sleep(0.2)  # the discard goes out
+            finally:
+                await client.close()
+
+        asyncio.run(scenario())
+        assert sum(pool.stats()["created"].values()) == 1
+        assert wait_until(lambda: pool.stats()["leases_active"] == 0, 5), pool.stats()
