@@ -428,7 +428,7 @@ def run_point(
                     p.per_request,
                     p.multipart,
                     i,
-                    getattr(args, "client", "httpx"),
+                    args.client,
                 ),
             )
             for i, c in enumerate(per)
@@ -506,7 +506,8 @@ def parse_points(spec: str, server: str) -> list[Point]:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's arguments (bench/suite.py starts from their defaults too)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--encoder", default="vit-b16-224")
@@ -562,7 +563,11 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--py-spy", type=Path, help="profile the GPU process with py-spy into DIR")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     t0 = time.time()
     shapes = [(args.width, args.height)]

@@ -873,17 +873,18 @@ def sweep_e2e(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline:
         ("naive", cfg["baseline_args"], cfg["baseline_points"]),
     ):
         reserve = cfg["baseline_reserve_s"] if name == "featpool" else 3.0
-        args = argparse.Namespace(
+        args = e2e.parser().parse_args([])  # the bench's defaults, then the sweep's own
+        vars(args).update(
             device=cfg["device"],
             encoder=cfg["encoder"],
             port=free_port(),
             pool_bytes=cfg["pool_bytes"],
-            server_args=[],
             start_timeout=min(cfg["start_timeout"], max(5.0, deadline - time.time() - reserve)),
             seconds=cfg["seconds"],
             warmup=cfg["warmup"],
             client_procs=cfg["client_procs"],
             max_conns_per_proc=cfg.get("max_conns_per_proc", 0),
+            client="httpx",
         )
         srv_rec: dict[str, Any] = {"args": extra}
         rec["servers"][name] = srv_rec
@@ -926,6 +927,9 @@ def sweep_e2e(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline:
         finally:
             srv.close()
             LIVE_SERVERS.remove(srv.proc)
+    failed = [name for name, srv_rec in rec["servers"].items() if "error" in srv_rec]
+    if failed:  # the sweep measured nothing for these: not ok
+        raise RuntimeError(f"server(s) failed to start: {', '.join(failed)}")
 
 
 def sweep_alloc(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline: float) -> None:

@@ -422,3 +422,18 @@ def test_cpu_handoff_sweep_runs_its_consumer_processes(tmp_path: Path) -> None:
         assert set(point["transports"]) == {"pool", "fresh_shm", "cpu_bytes"}
         for name, t in point["transports"].items():
             assert t["n"] > 0 and t["wrong_reads"] == 0, (point["size_mb"], name)
+
+
+def test_cpu_e2e_sweep_starts_both_servers_and_measures_them(tmp_path: Path) -> None:
+    """The e2e sweep builds bench_e2e's arguments itself: one it no longer passes (the
+    --server-root that bench_e2e's Server reads) failed both servers while the sweep said ok."""
+    out = tmp_path / "suite.json"
+    suite.main(["--mode", "cpu", "--only", "e2e", "--quick", "--out", str(out)])
+    sweep = json.loads(out.read_text())["sweeps"]["e2e"]
+    assert sweep["status"] == "ok", sweep
+    assert {n: s.get("error") for n, s in sweep["servers"].items()} == {
+        "featpool": None,
+        "naive": None,
+    }
+    assert {p["server"] for p in sweep["points"]} == {"featpool", "naive"}
+    assert all(p["images_per_s"] > 0 for p in sweep["points"]), sweep["points"]
