@@ -38,10 +38,11 @@ def auto_http_workers(cores: int, cuda: bool) -> int:
 
 
 def auto_max_batch_size(cuda: bool) -> int:
-    """``--max-batch-size 0``: 128 on a GPU, 32 on the CPU. On the H200 with ViT-B/16, 128
-    served 5-31 % more images/s than 32 at one image per request and 8-27 % more at sixteen,
-    in two same-call pairs (docs/benchmarks.md, "Eighth session"): a batch of 32 leaves the
-    SMs idle between forwards. On the CPU a larger batch only makes each answer later."""
+    """``--max-batch-size 0``: 128 on a GPU, 32 on the CPU. On the H200 with ViT-B/16, in four
+    same-call pairs, 128 served more images/s than 32 at sixteen images per request in all four
+    (+8 to +62 %) and at one per request in three (-14 to +31 %) (docs/benchmarks.md, "Eighth
+    session"): a batch of 32 leaves the SMs idle between forwards. On the CPU a larger batch
+    only makes each answer later."""
     return 128 if cuda else 32
 
 
