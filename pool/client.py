@@ -300,21 +300,21 @@ class FeatureClient:
         in ``self.fallbacks``; ``release`` may follow at once (the ack is ordered after it).
         """
         desc = self._descriptor(lease)
-        if desc["tier"] == INLINE:
+        if desc.tier == INLINE:
             raise PoolError(
-                f"lease {desc['lease_id']} is inline (every pool tier was full): fetch it with "
-                f"GET /v1/leases/{desc['lease_id']}/tensor and release it with release()"
+                f"lease {desc.lease_id} is inline (every pool tier was full): fetch it with "
+                f"GET /v1/leases/{desc.lease_id}/tensor and release it with release()"
             )
         ctrl = self._check_live(desc)
-        slot, gen = int(desc["slot"]), int(desc["generation"])
-        mapping = self._slabs.get((desc["tier"], int(desc["slab"])))
-        if mapping is None:
+        slot, gen, offset = desc.slot, desc.generation, desc.offset
+        mapping = self._slabs.get((desc.tier, desc.slab)) if desc.slab is not None else None
+        if mapping is None or offset is None:
             raise PoolError(
-                f"lease {desc['lease_id']} is on the {desc['tier']} tier, which this client "
+                f"lease {desc.lease_id} is on the {desc.tier} tier, which this client "
                 f"has not mapped (a consumer on another node maps only the GPU tier): fetch it "
-                f"with GET /v1/leases/{desc['lease_id']}/tensor"
+                f"with GET /v1/leases/{desc.lease_id}/tensor"
             )
-        gpu = self._transports[desc["tier"]] == "cuda_vmm"
+        gpu = self._transports[desc.tier] == "cuda_vmm"
 
         def view() -> torch.Tensor:  # once marked opened (or on another node: no marks there)
             if ctrl is not None and (host_wait or not gpu):
@@ -322,20 +322,18 @@ class FeatureClient:
                 deadline = time.monotonic() + limit
                 while not gen_reached(ctrl.ready(slot), gen):
                     if ctrl.gen(slot) != gen:
-                        raise StaleLease(f"lease {desc['lease_id']} ended before it was ready")
+                        raise StaleLease(f"lease {desc.lease_id} ended before it was ready")
                     if time.monotonic() > deadline:
                         raise TimeoutError(
-                            f"lease {desc['lease_id']} not published after {limit}s: the "
+                            f"lease {desc.lease_id} not published after {limit}s: the "
                             f"producer may have died before its copy (lookup or reattach to "
                             f"find out)"
                         )
                     time.sleep(0.0001)
             if gpu:
                 self._cuda.wait_ready(slot, gen)
-            shape = tuple(desc["shape"])
-            out: torch.Tensor = mapping.tensor(
-                int(desc["offset"]), parse_dtype(desc["dtype"]), shape
-            )
+            shape = tuple(desc.shape)
+            out: torch.Tensor = mapping.tensor(offset, parse_dtype(desc.dtype), shape)
             reason = self._cuda.copy_reason if gpu else ""
             if reason:
                 out = self._cuda.copy_here(out)
@@ -352,9 +350,7 @@ class FeatureClient:
             self._withdraw(slot, gen)
             raise
 
-    def _mark_opened(
-        self, desc: Mapping[str, Any], ctrl: ControlBlock, slot: int, gen: int
-    ) -> None:
+    def _mark_opened(self, desc: LeaseDescriptor, ctrl: ControlBlock, slot: int, gen: int) -> None:
         """Write our ``opened`` word, then (after a full fence) check the lease is still in
         its slot: the producer clears ``gen`` before it reads ``opened`` marks, so either it
         sees ours and keeps the memory, or we see its clear and do not read."""
@@ -363,7 +359,7 @@ class FeatureClient:
         full_fence()
         if ctrl.gen(slot) != gen:
             self._withdraw(slot, gen)
-            raise StaleLease(f"lease {desc['lease_id']} is gone (released, expired, or reused)")
+            raise StaleLease(f"lease {desc.lease_id} is gone (released, expired, or reused)")
 
     def _withdraw(self, slot: int, gen: int) -> None:
         """We will not read this lease after all: ack it in our words (host store), so our
@@ -379,11 +375,11 @@ class FeatureClient:
         self._check_epoch(desc)
         if self._ctrl is None:  # another node: only the producer knows
             try:
-                now = self.lookup(str(desc["lease_id"]))
+                now = self.lookup(desc.lease_id)
             except (LeaseNotFound, LeaseExpired, LeaseReleased):
                 return False
-            return int(now["generation"]) == int(desc["generation"])
-        return self._ctrl.gen(int(desc["slot"])) == int(desc["generation"])
+            return int(now["generation"]) == desc.generation
+        return self._ctrl.gen(desc.slot) == desc.generation
 
     def release(self, lease: LeaseRef) -> None:
         """Tell the producer you are done. Writes this consumer's ack word (stream-ordered on
@@ -392,56 +388,57 @@ class FeatureClient:
         StaleLease says it had. Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
         self._check_epoch(desc)
-        if desc["tier"] == INLINE:
-            self._request({"op": "release", "lease_id": desc["lease_id"]})
+        if desc.tier == INLINE:
+            self._request({"op": "release", "lease_id": desc.lease_id})
             return
-        slot, gen = int(desc["slot"]), int(desc["generation"])
+        slot, gen = desc.slot, desc.generation
         # Read before the ack: once it lands, the producer may free the slot at once, and a
         # read after it would report this very release as the lease having ended before.
         ended = self._ctrl is not None and self._ctrl.gen(slot) != gen
-        if self._transports.get(desc["tier"]) == "cuda_vmm":
+        if self._transports.get(desc.tier) == "cuda_vmm":
             self._cuda.ack(slot, gen)
         elif self._acks is not None:
             self._acks.set_ack(slot, gen)
         else:  # a tier this client has not mapped: release over the connection
-            self._request({"op": "release", "lease_id": desc["lease_id"]})
+            self._request({"op": "release", "lease_id": desc.lease_id})
             return
         if ended:
-            raise StaleLease(f"lease {desc['lease_id']} had already ended (acked anyway)")
+            raise StaleLease(f"lease {desc.lease_id} had already ended (acked anyway)")
 
     def renew(self, lease: LeaseRef, ttl_s: float | None = None) -> dict[str, Any]:
         """Extend the deadline to ``ttl_s`` from now (the producer's default TTL without it,
         capped by its maximum). Raises PoolRestarted for a lease of another epoch."""
         desc = self._descriptor(lease)
         self._check_epoch(desc)
-        reply = self._request({"op": "renew", "lease_id": desc["lease_id"], "ttl_s": ttl_s})
+        reply = self._request({"op": "renew", "lease_id": desc.lease_id, "ttl_s": ttl_s})
         return dict(reply["lease"])
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _descriptor(self, lease: LeaseRef) -> Mapping[str, Any]:
-        """The descriptor as a checked mapping (a bad one raises pydantic's ValidationError,
-        a ValueError)."""
+    def _descriptor(self, lease: LeaseRef) -> LeaseDescriptor:
+        """The descriptor, checked (a bad one raises pydantic's ValidationError, a
+        ValueError); one given as a ``LeaseDescriptor`` was checked when it was made."""
         if isinstance(lease, str):
-            return self.lookup(lease)
-        return LeaseDescriptor.parse(lease).wire()
+            reply = self._request({"op": "lookup", "lease_id": lease})
+            return LeaseDescriptor.parse(reply["lease"])
+        return LeaseDescriptor.parse(lease)
 
-    def _check_live(self, desc: Mapping[str, Any]) -> ControlBlock | None:
+    def _check_live(self, desc: LeaseDescriptor) -> ControlBlock | None:
         """The host control block (None on another node), once the lease is known to be of
         this pool instance and, where the block is readable, still in its slot."""
         self._check_epoch(desc)
-        if self._ctrl is not None and self._ctrl.gen(int(desc["slot"])) != int(desc["generation"]):
+        if self._ctrl is not None and self._ctrl.gen(desc.slot) != desc.generation:
             raise StaleLease(
-                f"lease {desc['lease_id']} is gone (released, expired, or its slot reused)"
+                f"lease {desc.lease_id} is gone (released, expired, or its slot reused)"
             )
         return self._ctrl
 
-    def _check_epoch(self, desc: Mapping[str, Any]) -> None:
+    def _check_epoch(self, desc: LeaseDescriptor) -> None:
         if self._sock is None:
             raise HandoffError("client is closed; connect again")
-        if desc["epoch"] != self.epoch:
+        if desc.epoch != self.epoch:
             raise PoolRestarted(
-                f"lease {desc['lease_id']} is from pool epoch {desc['epoch']} but this client is "
+                f"lease {desc.lease_id} is from pool epoch {desc.epoch} but this client is "
                 f"attached to epoch {self.epoch}: the producer restarted; call reattach() and "
                 f"get new leases"
             )
