@@ -60,6 +60,11 @@ if TYPE_CHECKING:
     from pool.backends.peer import CrossGpu, GpuLink
 
 LeaseRef = str | LeaseDescriptor | Mapping[str, Any]
+# How long ``open`` polls a ready word before it sleeps between polls. A lease is usually
+# published within microseconds of its descriptor reaching us (the producer's copy into the
+# pool takes a few on the device), and one 100 us sleep costs 100-160 us with the timer's
+# slack: more than the whole hand-off took before ``open`` waited on the host.
+SPIN_S = 200e-6
 
 _ERRORS: dict[str, type[PoolError]] = {
     "lease_not_found": LeaseNotFound,
@@ -319,17 +324,19 @@ class FeatureClient:
         def view() -> torch.Tensor:  # once marked opened (or on another node: no marks there)
             if ctrl is not None and (host_wait or not gpu):
                 limit = self.timeout_s if timeout_s is None else timeout_s
-                deadline = time.monotonic() + limit
+                started = time.monotonic()
                 while not gen_reached(ctrl.ready(slot), gen):
                     if ctrl.gen(slot) != gen:
                         raise StaleLease(f"lease {desc.lease_id} ended before it was ready")
-                    if time.monotonic() > deadline:
+                    waited = time.monotonic() - started
+                    if waited > limit:
                         raise TimeoutError(
                             f"lease {desc.lease_id} not published after {limit}s: the "
                             f"producer may have died before its copy (lookup or reattach to "
                             f"find out)"
                         )
-                    time.sleep(0.0001)
+                    if waited > SPIN_S:
+                        time.sleep(0.0001)
             if gpu:
                 self._cuda.wait_ready(slot, gen)
             shape = tuple(desc.shape)

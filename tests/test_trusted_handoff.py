@@ -632,3 +632,51 @@ def test_an_open_that_fails_after_marking_the_lease_withdraws_its_mark(
         s = pool.stats()
         assert s["quarantined_leases"] == 0 and s["leases_active"] == 0
         assert all(t["used_bytes"] == 0 for t in s["tiers"])
+
+
+def test_open_polls_a_lease_about_to_be_published_without_sleeping(
+    served: tuple[FeaturePool, HandoffServer, FakeClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ready word lands on the poll after ``open`` starts waiting (the producer's copy
+    was still in flight): ``open`` spins that short wait out instead of sleeping, since one
+    sleep costs more than the whole hand-off. A lease that stays unpublished is slept on
+    (the timeout test above), so a dead producer does not cost a spinning core."""
+    import pool.client
+
+    pool_, server, _ = served
+    t = torch.ones(32)
+    lease, _ = pool_._reserve(t, t.numel() * 4, 10.0)  # reserved, not yet published
+    sleeps: list[float] = []
+    monkeypatch.setattr(pool.client.time, "sleep", sleeps.append)
+    with FeatureClient.connect(server.path) as client:
+        assert client._ctrl is not None
+        polls = 0
+        real_ready = client._ctrl.ready
+
+        def ready(slot: int) -> int:  # published on the second poll
+            nonlocal polls
+            polls += 1
+            return lease.generation if polls >= 2 else real_ready(slot)
+
+        monkeypatch.setattr(client._ctrl, "ready", ready)
+        view = client.open(pool_.describe(lease), timeout_s=5.0)
+        assert view.shape == (32,) and polls == 2
+        assert sleeps == []
+    pool_._undo([lease])
+
+
+def test_a_lease_never_published_is_slept_on_not_spun_on(
+    served: tuple[FeaturePool, HandoffServer, FakeClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pool.client
+
+    pool_, server, _ = served
+    t = torch.ones(32)
+    lease, _ = pool_._reserve(t, t.numel() * 4, 10.0)
+    sleeps: list[float] = []
+    real_sleep = pool.client.time.sleep
+    monkeypatch.setattr(pool.client.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    with FeatureClient.connect(server.path) as client, pytest.raises(TimeoutError):
+        client.open(pool_.describe(lease), timeout_s=0.05)
+    assert sleeps and set(sleeps) == {0.0001}  # after the spin, 100 us sleeps until the timeout
+    pool_._undo([lease])
