@@ -603,7 +603,7 @@ class Section:
             fig, ax = plt.subplots(figsize=(7, 4.5))
             for server, body, style, lab in (
                 ("featpool", "raw", "o-", "featpool, 1 image/request"),
-                ("featpool", "multipart", "D", "featpool, multipart"),
+                ("featpool", "multipart", "D-", "featpool, multipart"),
                 ("naive", "raw", "s--", "naive encode path, 1 image/request"),
             ):
                 s = series(server, body)
