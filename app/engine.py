@@ -28,7 +28,7 @@ from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, device_index, orient
-from app.settings import Settings, auto_max_batch_size
+from app.settings import Settings, resolve_batching
 from pool.errors import (
     CudaError,
     CudaUnavailable,
@@ -146,6 +146,10 @@ class Engine:
         metrics: Metrics,
         encoder: Encoder | DynamicEncoder | None = None,
     ) -> None:
+        # The device is resolved (and checked) at start; the batching defaults need to know
+        # now whether there will be one, before admission and the batcher are made.
+        cuda = encoder.device.type == "cuda" if encoder else settings.device != "cpu"
+        resolve_batching(settings, cuda=cuda and torch.cuda.is_available())
         self.settings = settings
         self.metrics = metrics
         self._encoder = encoder
@@ -191,9 +195,6 @@ class Engine:
     async def _start(self) -> None:
         s = self.settings
         self.device = resolve_device(s) if self._encoder is None else self._encoder.device
-        if s.max_batch_size == 0:
-            s.max_batch_size = auto_max_batch_size(self.device.type == "cuda")
-            log.info("--max-batch-size %d (on %s)", s.max_batch_size, self.device)
         # The encoder first: its output size sets how many lease slots the pool needs.
         encoder = self._encoder
         if encoder is None:

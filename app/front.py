@@ -32,7 +32,7 @@ from app.jobs import JobClient, channel_paths
 from app.metrics import HttpMetrics
 from app.middleware import ServiceMiddleware
 from app.routes import encode_router, ops, v1
-from app.settings import Settings
+from app.settings import Settings, resolve_batching
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine_client = jobs  # every engine call goes over the job channel
+    # The GPU process resolves the batching defaults and hands them down; a front started on
+    # its own serves a GPU process (fronts exist for one), so it assumes a GPU.
+    resolve_batching(settings, cuda=True)
     entrance_state(app, settings)
     errors.install(app)
     app.include_router(encode_router)

@@ -37,13 +37,25 @@ def auto_http_workers(cores: int, cuda: bool) -> int:
     return min(max(cores // 2, 1), 16) if cuda else 0
 
 
-def auto_max_batch_size(cuda: bool) -> int:
-    """``--max-batch-size 0``: 128 on a GPU, 32 on the CPU. On the H200 with ViT-B/16, in four
-    same-call pairs, 128 served more images/s than 32 at sixteen images per request in all four
-    (+8 to +62 %) and at one per request in three (-14 to +31 %) (docs/benchmarks.md, "Eighth
-    session"): a batch of 32 leaves the SMs idle between forwards. On the CPU a larger batch
-    only makes each answer later."""
-    return 128 if cuda else 32
+def resolve_batching(settings: Settings, cuda: bool) -> None:
+    """Fill in ``--max-batch-size 0`` and ``--queue-size 0`` (the defaults), once, where the
+    device is known: the GPU process, before its admission and batcher are made (fronts get
+    the values it resolved).
+
+    The largest batch is 128 on a GPU and 32 on the CPU. On the H200 with ViT-B/16, in four
+    same-call pairs, 128 served more images/s than 32 at sixteen images per request in all
+    four (+8 to +62 %) and at one per request in three (-14 to +31 %) (docs/benchmarks.md,
+    "Eighth session"): a batch of 32 leaves the SMs idle between forwards. On the CPU a
+    larger batch only makes each answer later.
+
+    The queue admits eight largest batches, as 256 did for 32. A batch being gathered, one
+    prepared and one encoded are three; a queue of two would hold the GPU back and refuse
+    most of the load (sixteen requests of sixteen). The decoded-bytes bound still caps
+    the memory they take."""
+    if settings.max_batch_size == 0:
+        settings.max_batch_size = 128 if cuda else 32
+    if settings.queue_size == 0:
+        settings.queue_size = 8 * settings.max_batch_size
 
 
 class Settings(BaseSettings):
@@ -193,13 +205,14 @@ class Settings(BaseSettings):
         0,
         ge=0,
         description="largest encoder batch; 0 (default): 128 on CUDA, 32 on the CPU (see "
-        "auto_max_batch_size)",
+        "resolve_batching)",
     )
     max_batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
     queue_size: int = Field(
-        256,
-        gt=0,
-        description="images admitted at most (header parse, decode, queue, encode); beyond -> 429",
+        0,
+        ge=0,
+        description="images admitted at most (header parse, decode, queue, encode); beyond -> "
+        "429; 0 (default): eight largest batches (see resolve_batching)",
     )
     max_inflight_decoded_bytes: int = Field(
         2048 * MiB,

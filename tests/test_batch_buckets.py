@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from app.encoders import build_encoder
 from app.engine import Engine, batch_buckets
 from app.metrics import Metrics
-from app.settings import Settings, auto_max_batch_size
+from app.settings import Settings, resolve_batching
 
 
 @pytest.mark.parametrize("largest", [1, 2, 7, 16, 32, 100, 128, 256, 512])
@@ -51,9 +51,18 @@ def test_engine_pads_to_the_next_size_and_returns_its_own_rows() -> None:
     assert torch.allclose(out.float(), encode(x).float(), atol=1e-5)
 
 
-def test_default_largest_batch_is_chosen_for_the_device(
+def test_batching_defaults_are_chosen_for_the_device(
     make_client: Callable[..., TestClient],
 ) -> None:
-    assert auto_max_batch_size(cuda=True) == 128 and auto_max_batch_size(cuda=False) == 32
-    engine = make_client().app.state.engine  # type: ignore[attr-defined]
-    assert engine.settings.max_batch_size == 32 and engine.batcher.max_batch_size == 32
+    """128 on a GPU, 32 on the CPU; the queue admits eight of them. Given values are kept."""
+    for cuda, batch in ((True, 128), (False, 32)):
+        s = Settings()
+        resolve_batching(s, cuda=cuda)
+        assert (s.max_batch_size, s.queue_size) == (batch, 8 * batch)
+    s = Settings(max_batch_size=7, queue_size=9)
+    resolve_batching(s, cuda=True)
+    assert (s.max_batch_size, s.queue_size) == (7, 9)
+    app = make_client().app  # on the CPU, through the whole app
+    engine = app.state.engine  # type: ignore[attr-defined]
+    assert engine.batcher.max_batch_size == 32
+    assert app.state.admission.max_images == 256  # type: ignore[attr-defined]
