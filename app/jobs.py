@@ -150,9 +150,11 @@ def _query(q: FeatureQuery) -> dict[str, Any]:
     }
 
 
-def _handed_over(op: str, body: dict[str, Any]) -> list[str]:
+def _handed_over(op: str, body: dict[str, Any] | EncodeResponse) -> list[str]:
     """The leases a job's answer hands to its caller (who must release them, or its stand-in
-    when the caller went away)."""
+    when the caller went away): as the GPU process sends it, or as the front reads it."""
+    if isinstance(body, EncodeResponse):
+        return [item.lease_id for item in body.items]
     if op == "encode":
         return [item["lease_id"] for item in body.get("items", [])]
     if op == "lease_features":
@@ -435,11 +437,10 @@ class JobServer:
         out: bytes = b"",
     ) -> None:
         frame = {"id": header["id"], "status": status, "headers": headers or {}}
+        leases = _handed_over(str(header.get("op")), body) if status == 200 else []
         if isinstance(body, EncodeResponse):  # an encode job's answer, serialised by pydantic
-            leases = [item.lease_id for item in body.items]
             await replies.send(frame, [out] if out else (), leases, body)
-        else:  # a lease_features answer hands over a lease too
-            leases = _handed_over(str(header.get("op")), body) if status == 200 else []
+        else:
             await replies.send({**frame, "body": body}, [out] if out else (), leases)
 
     async def _answer(
@@ -498,7 +499,7 @@ class _Connection:
 
     writer: asyncio.StreamWriter
     arena: FrontArena | None
-    waiting: dict[int, tuple[str, asyncio.Future[Reply]]] = field(default_factory=dict)  # op
+    waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
     placed: dict[int, Extent] = field(default_factory=dict)  # job -> its images' range
 
     def answered(self, job: int) -> None:
@@ -515,7 +516,7 @@ class _Connection:
             self.arena.close()
         self.writer.close()
         waiting, self.waiting = self.waiting, {}
-        for _, fut in waiting.values():
+        for fut in waiting.values():
             if not fut.done():
                 fut.set_exception(ApiError("not_ready", "the GPU process went away"))
 
@@ -602,7 +603,7 @@ class JobClient(EngineClient):
         conn = await self._connection()
         job = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        conn.waiting[job] = (str(header["op"]), fut)
+        conn.waiting[job] = fut
         sent = False
         try:
             async with self._write_lock:
@@ -620,21 +621,17 @@ class JobClient(EngineClient):
                 except ConnectionError as e:
                     raise ApiError("not_ready", f"the GPU process went away ({e})") from e
             try:
-                status, body, headers, out = await fut
+                # Shielded: a cancelled caller (the client hung up) leaves the answer to come
+                # (or just come) in, and its leases are given back when it does.
+                status, body, headers, out = await asyncio.shield(fut)
             except asyncio.CancelledError:
-                # Cancelled in the loop turn its answer came in (the client hung up as it was
-                # answered): nobody reads that answer, so its leases go back now.
-                if fut.done() and not fut.cancelled():
-                    answer = fut.result()
-                    if answer[0] == 200:
-                        self._give_back(conn, _handed_over(str(header["op"]), answer[1]))
+                op = str(header["op"])
+                fut.add_done_callback(lambda f: self._give_back(conn, op, f))
                 raise
             if self._metrics is not None and header.get("op") == "encode":
                 self._metrics.front_job_seconds.observe(time.perf_counter() - started)
         finally:
-            # A job sent stays listed until its answer comes (the read loop takes it off): if
-            # we were cancelled (the client hung up), the answer's leases are given back.
-            if not sent:
+            if not sent:  # no answer will come (a sent job's is taken off by the read loop)
                 conn.waiting.pop(job, None)
         if status != 200:
             err = body.get("error", {})
@@ -722,7 +719,7 @@ class JobClient(EngineClient):
                 header, payload = await _read(reader)
                 job = int(header["id"])
                 conn.answered(job)  # its range in the arena is free again
-                op, fut = conn.waiting.pop(job, ("", None))
+                fut = conn.waiting.pop(job, None)
                 if fut is not None and not fut.done():
                     fut.set_result(
                         (
@@ -732,16 +729,18 @@ class JobClient(EngineClient):
                             payload,
                         )
                     )
-                elif header.get("status") == 200:  # nobody waits: give the leases back now
-                    self._give_back(conn, _handed_over(op, header["body"]))
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
             pass
         finally:
             conn.close()
 
-    def _give_back(self, conn: _Connection, lease_ids: list[str]) -> None:
-        """Discard the leases of an answer nobody will read. A task of its own, so that a caller
-        being cancelled can start it (with the connection gone, they live until their TTL)."""
+    def _give_back(self, conn: _Connection, op: str, answer: asyncio.Future[Reply]) -> None:
+        """Discard the leases of an answer its caller will not read (it was cancelled). A task
+        of its own, as this runs from the answer's done-callback; with the connection gone,
+        they live until their TTL."""
+        if answer.cancelled() or answer.exception() is not None or answer.result()[0] != 200:
+            return
+        lease_ids = _handed_over(op, answer.result()[1])
         if not lease_ids:
             return
 

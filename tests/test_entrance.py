@@ -448,8 +448,8 @@ def test_an_answer_that_comes_as_its_request_is_cancelled_gives_its_leases_back(
 
                 class Waiting(dict[int, Any]):
                     def pop(self, job: int, default: Any = None) -> Any:
-                        op, fut = super().pop(job, default)
-                        return op, (Answered(fut) if fut is not None else None)
+                        fut = super().pop(job, default)
+                        return Answered(fut) if fut is not None else None
 
                 assert client._conn is not None
                 client._conn.waiting = Waiting()
