@@ -276,8 +276,11 @@ class FeatureClient:
 
     def lookup(self, lease_id: str) -> dict[str, Any]:
         """The lease's descriptor, from the producer."""
+        return self._lookup(lease_id).wire()
+
+    def _lookup(self, lease_id: str) -> LeaseDescriptor:
         reply = self._request({"op": "lookup", "lease_id": lease_id})
-        return LeaseDescriptor.parse(reply["lease"]).wire()
+        return LeaseDescriptor.parse(reply["lease"])
 
     def open(
         self, lease: LeaseRef, *, timeout_s: float | None = None, host_wait: bool = True
@@ -382,10 +385,9 @@ class FeatureClient:
         self._check_epoch(desc)
         if self._ctrl is None:  # another node: only the producer knows
             try:
-                now = self.lookup(desc.lease_id)
+                return self._lookup(desc.lease_id).generation == desc.generation
             except (LeaseNotFound, LeaseExpired, LeaseReleased):
                 return False
-            return int(now["generation"]) == desc.generation
         return self._ctrl.gen(desc.slot) == desc.generation
 
     def release(self, lease: LeaseRef) -> None:
@@ -425,10 +427,7 @@ class FeatureClient:
     def _descriptor(self, lease: LeaseRef) -> LeaseDescriptor:
         """The descriptor, checked (a bad one raises pydantic's ValidationError, a
         ValueError); one given as a ``LeaseDescriptor`` was checked when it was made."""
-        if isinstance(lease, str):
-            reply = self._request({"op": "lookup", "lease_id": lease})
-            return LeaseDescriptor.parse(reply["lease"])
-        return LeaseDescriptor.parse(lease)
+        return self._lookup(lease) if isinstance(lease, str) else LeaseDescriptor.parse(lease)
 
     def _check_live(self, desc: LeaseDescriptor) -> ControlBlock | None:
         """The host control block (None on another node), once the lease is known to be of
