@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 
 from app import logs
-from app.backends import preflight
+from app.backends import preflight, wants_cuda
 from app.encoders import check_encoder_name
 from app.front import listen_shared, settings_env
 from app.http_protocol import http_protocol
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"featpool: {e}")
     logs.setup(settings.log_level, settings.log_json)
     if settings.http_workers < 0:
-        import torch
-
-        cuda = settings.device != "cpu" and torch.cuda.is_available()
-        settings.http_workers = auto_http_workers(usable_cores(), cuda)
+        settings.http_workers = auto_http_workers(usable_cores(), wants_cuda(settings))
         logging.getLogger("app").info(
             "--http-workers %d (of %d usable cores)", settings.http_workers, usable_cores()
         )

@@ -31,6 +31,12 @@ class Capabilities:
     startup_fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (reason, tier)
 
 
+def wants_cuda(settings: Settings) -> bool:
+    """Whether this service will run on CUDA, for the defaults chosen before the device is
+    resolved (and checked, by ``resolve_device``) at start."""
+    return settings.device != "cpu" and torch.cuda.is_available()
+
+
 def resolve_device(settings: Settings) -> torch.device:
     if settings.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

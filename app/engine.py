@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from app.admission import BoundedExecutor
-from app.backends import Capabilities, build_backends, resolve_device
+from app.backends import Capabilities, build_backends, resolve_device, wants_cuda
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
@@ -148,8 +148,8 @@ class Engine:
     ) -> None:
         # The device is resolved (and checked) at start; the batching defaults need to know
         # now whether there will be one, before admission and the batcher are made.
-        cuda = encoder.device.type == "cuda" if encoder else settings.device != "cpu"
-        resolve_batching(settings, cuda=cuda and torch.cuda.is_available())
+        cuda = encoder.device.type == "cuda" if encoder else wants_cuda(settings)
+        resolve_batching(settings, cuda=cuda)
         self.settings = settings
         self.metrics = metrics
         self._encoder = encoder
