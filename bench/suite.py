@@ -889,7 +889,6 @@ def sweep_e2e(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline:
             warmup=cfg["warmup"],
             client_procs=cfg["client_procs"],
             max_conns_per_proc=cfg.get("max_conns_per_proc", 0),
-            client="httpx",
         )
         srv_rec: dict[str, Any] = {"args": extra}
         rec["servers"][name] = srv_rec
