@@ -241,7 +241,6 @@ class Engine:
             self._spec = getattr(encoder, "preprocess_spec", None)
         graphs = (
             s.encoder_cuda_graphs
-            and not s.encoder_compile
             and hasattr(encoder, "enable_cuda_graphs")
             and self.device.type == "cuda"
         )

@@ -173,7 +173,9 @@ class Settings(BaseSettings):
         "auto", description="encoder dtype; auto is bfloat16 on CUDA, float32 on CPU"
     )
     encoder_compile: bool = Field(
-        False, description="torch.compile the encoder on CUDA (a few % faster, slower start)"
+        False,
+        description="torch.compile the encoder on CUDA, one static graph per batch size, each "
+        "then captured as a CUDA graph unless --no-encoder-cuda-graphs (~1-2 min more at start)",
     )
     tower_compile: bool = Field(
         True,

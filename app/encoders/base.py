@@ -116,7 +116,8 @@ class ModuleEncoder:
                 self.device,
             )
             return
-        # Shapes are static per batch size; warmup() compiles each size the batcher will use.
+        # Shapes are static per batch size; warmup() compiles each size the batcher will use,
+        # and captures the compiled forward as a CUDA graph per size when graphs are on.
         self._forward = torch.compile(self._forward, dynamic=False)
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,12 @@ class ModuleEncoder:
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         s = self.image_size
-        for b in batch_sizes:
-            self.encode(torch.zeros(b, 3, s, s, device=self.device, dtype=self.dtype))
+        # A compiled forward recompiles per batch size; past dynamo's recompile limit (8) it
+        # would silently run the remaining sizes eagerly (the engine prepares 12 at 128).
+        limit = max(torch._dynamo.config.recompile_limit, len(set(batch_sizes)) + 1)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            for b in batch_sizes:
+                self.encode(torch.zeros(b, 3, s, s, device=self.device, dtype=self.dtype))
         if self._graphs is not None:
             # Largest first: the smaller graphs then fit in the memory pool it leaves.
             for b in sorted(set(batch_sizes), reverse=True):
