@@ -132,11 +132,10 @@ def test_consumer_stream_waits_for_a_delayed_producer_copy(producer: Producer, c
     cycles = 600_000_000  # about 0.3 s at H200 clocks
     t0 = time.perf_counter()
     reply = producer.call("put", nbytes=8 << 20, dtype="bfloat16", seed=9, sleep_cycles=cycles)
-    t_reply = time.perf_counter() - t0
     desc = reply["lease"]
-    # The producer's host returned long before its stream got to the copy: no host sync.
+    # The producer's host returned before its stream got to the copy: no host sync. (Read from
+    # the ready word, not timed: a timed bound of 0.1 s failed once on a loaded H200.)
     assert reply["ready_after_put"] < desc["generation"]
-    assert t_reply < 0.1
     t = client.open(desc, host_wait=False)  # enqueues the stream wait; returns at once
     ok = torch.equal(as_bytes(t), expected(desc, 9))  # runs after the wait on this stream
     waited = time.perf_counter() - t0
