@@ -71,6 +71,7 @@ def http_protocol(settings: Settings) -> type[Any]:
         _limit: tuple[int, str, str] | None = None
         _header_bytes = 0
         _head_timer: Any = None
+        _deferred: bytes | None = None  # a 400 waiting for the answers pipelined before it
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -128,11 +129,31 @@ def http_protocol(settings: Settings) -> type[Any]:
 
         def send_400_response(self, msg: str) -> None:
             status, kind, message = self._limit or (400, "invalid_request", MALFORMED)
-            self.transport.write(error_bytes(status, kind, message))
+            self._disarm_head_timer()  # this request is answered: no 408 for it as well
+            self._draining = True  # parse nothing more on this connection
+            answer = error_bytes(status, kind, message)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and not cycle.more_body:
+                # Whole requests came before this one on the connection (pipelined) and are
+                # not answered yet: HTTP/1.1 answers in order, so this waits for theirs.
+                self._deferred = answer
+                return
+            self._answer_and_close(answer)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # starts the next pipelined request, if any
+            done = self.cycle is None or self.cycle.response_complete
+            if self._deferred is not None and done and not self.pipeline:
+                answer, self._deferred = self._deferred, None
+                self._answer_and_close(answer)
+
+        def _answer_and_close(self, answer: bytes) -> None:
+            if self.transport.is_closing():  # the answer before it closed the connection
+                return
+            self.transport.write(answer)
             # A lingering close: closing with the client's bytes unread would reset the
             # connection and could destroy the answer before the client reads it. Send FIN,
             # drop whatever still arrives, close for good after LINGER_S at most.
-            self._draining = True
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self.loop.call_later(LINGER_S, self.transport.close)

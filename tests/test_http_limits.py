@@ -29,6 +29,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int,
         yield url, int(url.rsplit(":", 1)[1]), proc.pid
 
 
+@pytest.fixture(scope="module")
+def fronts_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, int]]:
+    """The same, with HTTP served by two front processes (the GPU default's shape)."""
+    tmp = tmp_path_factory.mktemp("http-limits-fronts")
+    with server_process(tmp / "featpool.sock", tmp / "server.log", "--http-workers", "2") as (
+        url,
+        proc,
+    ):
+        yield url, int(url.rsplit(":", 1)[1]), proc.pid
+
+
 def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
     """Send raw bytes; read the answer until the server closes: (status, headers, body)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -196,3 +207,50 @@ def test_a_connection_without_its_headers_in_time_is_closed(
     assert out.startswith(b"HTTP/1.1 408"), out[:200]
     assert json_error(out.partition(b"\r\n\r\n")[2])["type"] == "body_timeout"
     assert 1.2 < took < 6, took
+
+
+def responses(data: bytes) -> list[tuple[int, bytes]]:
+    """The HTTP/1.1 responses in ``data``, in order: (status, body), framed by Content-Length."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:])}
+        n = int(headers["content-length"])
+        out.append((int(lines[0].split()[1]), rest[:n]))
+        data = rest[n:]
+    return out
+
+
+@pytest.mark.parametrize("where", ["server", "fronts_server"])
+@pytest.mark.parametrize("wanted", ["encode", "health", "two"])
+def test_a_request_pipelined_before_a_malformed_one_gets_its_own_answer_first(
+    request: pytest.FixtureRequest, where: str, wanted: str
+) -> None:
+    """HTTP/1.1 answers pipelined requests in order. A well-formed request followed on the
+    same connection by a malformed one used to get the malformed one's 400 as its answer (sent
+    at once, before its own), and its own answer was dropped with the connection: an encode
+    then kept its lease until the TTL, and the client never learnt its id."""
+    url, port, _ = request.getfixturevalue(where)
+    if wanted == "encode":
+        body = image_bytes()
+        first = (
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+    else:
+        first = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n" * (2 if wanted == "two" else 1)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(first + b"GARBAGE\r\n\r\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    got = responses(out)
+    oks = [200] * (2 if wanted == "two" else 1)
+    assert [status for status, _ in got] == [*oks, 400], out[:400]
+    assert json_error(got[-1][1])["type"] == "invalid_request"
+    if wanted == "encode":
+        (item,) = json.loads(got[0][1])["items"]
+        lease = httpx.get(f"{url}/v1/leases/{item['lease_id']}", timeout=10)
+        assert lease.status_code == 200  # the client holds it, and can give it back
+        assert httpx.delete(f"{url}/v1/leases/{item['lease_id']}", timeout=10).status_code == 204
