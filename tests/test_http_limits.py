@@ -19,25 +19,20 @@ from tests.helpers import server_process, wait_until
 MiB = 1 << 20
 
 
+def started(tmp: Path, *args: str) -> Iterator[tuple[str, int, int]]:
+    with server_process(tmp / "featpool.sock", tmp / "server.log", *args) as (url, proc):
+        yield url, int(url.rsplit(":", 1)[1]), proc.pid
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, int]]:
-    tmp = tmp_path_factory.mktemp("http-limits")
-    with server_process(tmp / "featpool.sock", tmp / "server.log", "--body-timeout-s", "1.5") as (
-        url,
-        proc,
-    ):
-        yield url, int(url.rsplit(":", 1)[1]), proc.pid
+    yield from started(tmp_path_factory.mktemp("http-limits"), "--body-timeout-s", "1.5")
 
 
 @pytest.fixture(scope="module")
 def fronts_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, int]]:
     """The same, with HTTP served by two front processes (the GPU default's shape)."""
-    tmp = tmp_path_factory.mktemp("http-limits-fronts")
-    with server_process(tmp / "featpool.sock", tmp / "server.log", "--http-workers", "2") as (
-        url,
-        proc,
-    ):
-        yield url, int(url.rsplit(":", 1)[1]), proc.pid
+    yield from started(tmp_path_factory.mktemp("http-limits-fronts"), "--http-workers", "2")
 
 
 def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
