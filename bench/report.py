@@ -519,7 +519,7 @@ class Section:
             f"(mean {fmt(img.get('mean_kb'))} KB); {fmt(cfg.get('warmup'), 1)} s warm-up "
             f"+ {fmt(cfg.get('seconds'), 1)} s measured per point, "
             f"{cfg.get('client_procs', '?')} client processes "
-            f"({cfg.get('client', 'httpx')} + asyncio)"
+            f"({cfg.get('client', 'httpx')} + asyncio)"  # httpx: files before the key
             + (
                 f", more where a point needs them for at most {cap} connections each"
                 if (cap := cfg.get("max_conns_per_proc"))

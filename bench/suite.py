@@ -890,10 +890,10 @@ def sweep_e2e(mode: str, quick: bool, rec: dict[str, Any], save: Save, deadline:
             start_timeout=min(cfg["start_timeout"], max(5.0, deadline - time.time() - reserve)),
             seconds=cfg["seconds"],
             warmup=cfg["warmup"],
-            client=cfg.get("client", "httpx"),
             client_procs=cfg["client_procs"],
             max_conns_per_proc=cfg.get("max_conns_per_proc", 0),
         )
+        args.client = cfg.setdefault("client", args.client)  # recorded: the report names it
         srv_rec: dict[str, Any] = {"args": extra}
         rec["servers"][name] = srv_rec
         try:
