@@ -815,6 +815,11 @@ class FeaturePool:
             block.close()
             raise
         with self._lock:
+            if self.closed:  # closed while we built the welcome: close() did not see this block
+                for fd in fds:
+                    os.close(fd)
+                block.close()
+                raise PoolError("the pool is closed")
             cid = self._next_consumer
             self._next_consumer += 1
             self._consumers[cid] = block

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import hmac
 import logging
 import os
@@ -127,6 +128,7 @@ class HandoffServer:
         self.limits = limits or Limits()
         self._sock: socket.socket | None = None
         self._bound = False  # the socket file is ours to remove
+        self._lock_fd = -1  # flock on ``<path>.lock``, held from before bind until after unlink
         self._sel: selectors.BaseSelector | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
@@ -162,7 +164,12 @@ class HandoffServer:
 
     def _listen(self) -> socket.socket:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_socket()
+        self._lock_path()
+        try:
+            self._remove_stale_socket()
+        except BaseException:
+            self._cleanup()
+            raise
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(self.path))
@@ -184,6 +191,39 @@ class HandoffServer:
             self.limits.max_connections,
         )
         return sock
+
+    def _lock_path(self) -> None:
+        """Take ``<path>.lock`` (flock, released by the kernel if we die) for as long as the
+        socket file is ours. Without it two servers starting on one path, or one starting while
+        another closes, can each remove the other's socket file as stale and leave a server
+        listening on a name nobody can reach. ``close`` removes the lock file while holding it,
+        so a lock taken on a file that is no longer at its name is dropped and taken anew."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        for _ in range(100):  # each retry means a server released the path meanwhile
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise HandoffError(f"cannot open the socket's lock file {lock}: {e}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = os.fstat(fd)
+                try:
+                    named = os.stat(lock, follow_symlinks=False)
+                except FileNotFoundError:
+                    named = None
+            except BlockingIOError:
+                os.close(fd)
+                raise HandoffError(
+                    f"another featpool server is serving {self.path} (it holds {lock})"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                self._lock_fd = fd
+                return
+            os.close(fd)
+        raise HandoffError(f"could not take {lock}: servers keep starting and stopping on it")
 
     def _remove_stale_socket(self) -> None:
         try:
@@ -227,6 +267,13 @@ class HandoffServer:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd >= 0:  # only after the socket's unlink: the next server may bind
+            try:
+                self.path.with_name(self.path.name + ".lock").unlink()  # while we hold it
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _shutdown(self) -> None:
         """Close every connection, the listening socket and the loop's own (loop thread, or a

@@ -420,3 +420,192 @@ def test_close_after_a_bug_killed_the_loop_still_cleans_up(
         assert not server.path.exists()
     finally:
         pool.close()
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file nobody listens on, as a crashed server leaves it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+
+
+def _reachable(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def test_two_servers_clearing_one_stale_socket_leave_no_orphan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers start on a path a crashed one left. The second starts right when the first
+    has found the leftover and is about to remove it. Whichever starts must be reachable: the
+    first must not remove the second's fresh socket as the leftover (no server may end up
+    listening on a name nobody can reach)."""
+    path = tmp_path / "s.sock"
+    _stale_socket(path)
+    pool = FeaturePool([HostShmBackend([4096])])
+    first, second = HandoffServer(pool, path), HandoffServer(pool, path)
+    started: list[HandoffServer] = []
+    errors: list[Exception] = []
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self == path and not started and not errors:  # the first's removal of the leftover
+            try:
+                second.start()
+                started.append(second)
+            except HandoffError as e:
+                errors.append(e)
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    try:
+        first.start()
+        started.append(first)
+        monkeypatch.undo()
+        assert errors and "another featpool server" in str(errors[0])
+        assert started == [first] and _reachable(path)
+    finally:
+        monkeypatch.undo()
+        for s in (second, first):
+            s.close()
+        pool.close()
+
+
+def test_server_starting_while_another_closes_stays_reachable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server closes (its listening socket gone, its file not yet removed) while another
+    starts on the same path: the closing one must not remove the newcomer's socket file."""
+    path = tmp_path / "s.sock"
+    pool = FeaturePool([HostShmBackend([4096])])
+    old, new = HandoffServer(pool, path), HandoffServer(pool, path)
+    old.start()
+    real_cleanup = HandoffServer._cleanup
+    outcome: list[str] = []
+
+    def cleanup(self: HandoffServer) -> None:
+        if self is old and not outcome:
+            try:
+                new.start()
+                outcome.append("started")
+            except HandoffError:
+                outcome.append("refused")
+        real_cleanup(self)
+
+    monkeypatch.setattr(HandoffServer, "_cleanup", cleanup)
+    try:
+        old.close()
+        monkeypatch.undo()
+        if outcome == ["refused"]:  # refused while the old one still held the path: retry
+            new.start()
+        assert _reachable(path)
+        with FeatureClient.connect(path) as c:
+            assert c.epoch
+    finally:
+        monkeypatch.undo()
+        new.close()
+        pool.close()
+    assert not path.exists()
+
+
+def test_attach_racing_close_leaks_no_ack_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool closes while a consumer's welcome is being built: the attach fails, and the ack
+    block and FDs made for it are closed (close() could not see them yet)."""
+    from pool import featurepool
+    from pool.control import AckBlock
+    from pool.errors import PoolError
+
+    pool = FeaturePool([HostShmBackend([4096])])
+    backend = pool.tiers[0].backend
+    made: list[AckBlock] = []
+    real_create = AckBlock.create.__func__  # type: ignore[attr-defined]
+    real_fds = backend.consumer_fds
+
+    def create(cls: type[AckBlock], nslots: int) -> AckBlock:
+        made.append(real_create(cls, nslots))
+        return made[-1]
+
+    def fds_then_close() -> list[int]:
+        fds = real_fds()
+        pool.close()  # another thread's close, landing mid-attach
+        return fds
+
+    monkeypatch.setattr(featurepool.AckBlock, "create", classmethod(create))
+    monkeypatch.setattr(backend, "consumer_fds", fds_then_close)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(PoolError, match="closed"):
+        pool.attach_consumer("racer")
+    assert len(made) == 1 and made[0].fd == -1  # closed
+    assert not pool._consumers
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_closed_server_leaves_no_files_and_a_crashed_ones_lock_is_taken_over(
+    tmp_path: Path,
+) -> None:
+    """close() removes the socket and its lock file; a server that died holding the lock (the
+    kernel dropped its flock, its files stayed) is replaced by the next one on that path."""
+    path = tmp_path / "s.sock"
+    pool = FeaturePool([HostShmBackend([4096])])
+    server = HandoffServer(pool, path)
+    server.start()
+    lock = tmp_path / "s.sock.lock"
+    assert lock.exists()
+    server.close()
+    assert sorted(os.listdir(tmp_path)) == []
+    _stale_socket(path)
+    lock.touch()  # what a SIGKILLed server leaves: both files, no lock held
+    again = HandoffServer(pool, path)
+    again.start()
+    try:
+        assert _reachable(path)
+    finally:
+        again.close()
+        pool.close()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_lock_taken_on_a_removed_lock_file_is_taken_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server opens the lock file just as the previous server removes it (close) and a third
+    makes a new one: its flock then holds a file no longer at the name. It must lock the file
+    that is there, or the third would take the path too."""
+    from pool import server as server_mod
+
+    path = tmp_path / "s.sock"
+    lock = tmp_path / "s.sock.lock"
+    pool = FeaturePool([HostShmBackend([4096])])
+    real_flock = server_mod.fcntl.flock
+    calls = []
+
+    def flock(fd: int, op: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:  # between our open and our flock: the file is replaced
+            lock.unlink()
+            lock.touch()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(server_mod.fcntl, "flock", flock)
+    first = HandoffServer(pool, path)
+    first.start()
+    monkeypatch.undo()
+    second = HandoffServer(pool, path)
+    try:
+        assert len(calls) == 2  # it retried
+        with pytest.raises(HandoffError, match="another featpool server"):
+            second.start()
+        assert _reachable(path)
+    finally:
+        second.close()
+        first.close()
+        pool.close()
