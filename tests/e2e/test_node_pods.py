@@ -108,7 +108,7 @@ def test_two_pods_on_one_node_both_serve_and_consumers_find_each_by_gpu(
     # The rendered environment gave each pod its own socket in the shared directory.
     assert a.env["FEATPOOL_SOCKET_PATH"] == f"{socket_dir}/fp-featpool-6d8f7b9c4-abcde.sock"
     assert b.env["FEATPOOL_SOCKET_PATH"] == f"{socket_dir}/fp-featpool-6d8f7b9c4-fghij.sock"
-    names = sorted(p.name for p in socket_dir.iterdir())
+    names = sorted(p.name for p in socket_dir.iterdir() if not p.name.endswith(".lock"))
     assert names == [
         "fp-featpool-6d8f7b9c4-abcde.sock",
         "fp-featpool-6d8f7b9c4-abcde.sock.json",
