@@ -124,7 +124,7 @@ class Publication:
         if self._fd is None:
             return
         try:
-            if _same_file(self.path, self._fd):
+            if same_file(self.path, self._fd):
                 self.path.unlink()
         except FileNotFoundError:
             pass
@@ -330,11 +330,13 @@ def _read_entry(fd: int) -> dict[str, Any] | None:
     return data
 
 
-def _same_file(path: Path, fd: int) -> bool:
+def same_file(path: Path, fd: int) -> bool:
+    """True while ``path`` still names the file open at ``fd`` (not removed, not replaced)."""
     try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
+        named, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
     except FileNotFoundError:
         return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _remove_dead_socket(path: Path) -> None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pool.discovery import same_file
 from pool.errors import HandoffError, PoolError
 from pool.featurepool import FeaturePool
 from pool.protocol import (
@@ -128,7 +129,8 @@ class HandoffServer:
         self.limits = limits or Limits()
         self._sock: socket.socket | None = None
         self._bound = False  # the socket file is ours to remove
-        self._lock_fd = -1  # flock on ``<path>.lock``, held from before bind until after unlink
+        self._lock_file = self.path.with_name(self.path.name + ".lock")
+        self._lock_fd = -1  # flock on ``_lock_file``, held from before bind until after unlink
         self._sel: selectors.BaseSelector | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
@@ -198,7 +200,7 @@ class HandoffServer:
         another closes, can each remove the other's socket file as stale and leave a server
         listening on a name nobody can reach. ``close`` removes the lock file while holding it,
         so a lock taken on a file that is no longer at its name is dropped and taken anew."""
-        lock = self.path.with_name(self.path.name + ".lock")
+        lock = self._lock_file
         for _ in range(100):  # each retry means a server released the path meanwhile
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -206,11 +208,7 @@ class HandoffServer:
                 raise HandoffError(f"cannot open the socket's lock file {lock}: {e}") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = os.fstat(fd)
-                try:
-                    named = os.stat(lock, follow_symlinks=False)
-                except FileNotFoundError:
-                    named = None
+                ours = same_file(lock, fd)
             except BlockingIOError:
                 os.close(fd)
                 raise HandoffError(
@@ -219,7 +217,7 @@ class HandoffServer:
             except BaseException:
                 os.close(fd)
                 raise
-            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            if ours:
                 self._lock_fd = fd
                 return
             os.close(fd)
@@ -269,7 +267,7 @@ class HandoffServer:
                 pass
         if self._lock_fd >= 0:  # only after the socket's unlink: the next server may bind
             try:
-                self.path.with_name(self.path.name + ".lock").unlink()  # while we hold it
+                self._lock_file.unlink()  # while we hold it
             except FileNotFoundError:
                 pass
             os.close(self._lock_fd)
