@@ -33,8 +33,6 @@ import fcntl
 import json
 import logging
 import os
-import socket
-import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pool.errors import HandoffError
+from pool.socket_file import remove_dead_socket, same_file
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ def collect_stale(directory: Path, *, keep: Path | None = None) -> list[Path]:
             removed.append(path)
             name = data.get("socket") if data else None
             if isinstance(name, str) and "/" not in name and name:
-                _remove_dead_socket(directory / name)
+                remove_dead_socket(directory / name)
         finally:
             os.close(fd)
     if removed:
@@ -328,27 +327,3 @@ def _read_entry(fd: int) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("featpool_index") != INDEX_VERSION:
         return None
     return data
-
-
-def same_file(path: Path, fd: int) -> bool:
-    """True while ``path`` still names the file open at ``fd`` (not removed, not replaced)."""
-    try:
-        named, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _remove_dead_socket(path: Path) -> None:
-    try:
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            return
-    except FileNotFoundError:
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink(missing_ok=True)  # nobody listens
-    finally:
-        probe.close()

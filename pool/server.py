@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import array
 import errno
-import fcntl
 import hmac
 import logging
 import os
 import selectors
 import socket
-import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -43,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pool.discovery import same_file
+from pool import socket_file
 from pool.errors import HandoffError, PoolError
 from pool.featurepool import FeaturePool
 from pool.protocol import (
@@ -129,8 +127,7 @@ class HandoffServer:
         self.limits = limits or Limits()
         self._sock: socket.socket | None = None
         self._bound = False  # the socket file is ours to remove
-        self._lock_file = self.path.with_name(self.path.name + ".lock")
-        self._lock_fd = -1  # flock on ``_lock_file``, held from before bind until after unlink
+        self._lock_fd = -1  # flock on ``<path>.lock``, held from before bind until after unlink
         self._sel: selectors.BaseSelector | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
@@ -195,50 +192,23 @@ class HandoffServer:
         return sock
 
     def _lock_path(self) -> None:
-        """Take ``<path>.lock`` (flock, released by the kernel if we die) for as long as the
-        socket file is ours. Without it two servers starting on one path, or one starting while
-        another closes, can each remove the other's socket file as stale and leave a server
-        listening on a name nobody can reach. ``close`` removes the lock file while holding it,
-        so a lock taken on a file that is no longer at its name is dropped and taken anew."""
-        lock = self._lock_file
-        for _ in range(100):  # each retry means a server released the path meanwhile
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except OSError as e:
-                raise HandoffError(f"cannot open the socket's lock file {lock}: {e}") from e
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                ours = same_file(lock, fd)
-            except BlockingIOError:
-                os.close(fd)
-                raise HandoffError(
-                    f"another featpool server is serving {self.path} (it holds {lock})"
-                ) from None
-            except BaseException:
-                os.close(fd)
-                raise
-            if ours:
-                self._lock_fd = fd
-                return
-            os.close(fd)
-        raise HandoffError(f"could not take {lock}: servers keep starting and stopping on it")
+        """Take ``<path>.lock`` for as long as the socket file is ours (pool/socket_file.py
+        says why): held from before bind until after the unlink in ``_cleanup``."""
+        try:
+            fd = socket_file.try_lock(self.path)
+        except OSError as e:
+            raise HandoffError(f"cannot take the socket's lock file: {e}") from e
+        if fd is None:
+            raise HandoffError(
+                f"another featpool server is serving {self.path} "
+                f"(it holds {socket_file.lock_path(self.path)})"
+            )
+        self._lock_fd = fd
 
     def _remove_stale_socket(self) -> None:
-        try:
-            mode = self.path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise HandoffError(f"{self.path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(self.path))
-        except OSError:
-            self.path.unlink()  # nobody listens: a leftover of a crashed server
-            return
-        finally:
-            probe.close()
-        raise HandoffError(f"another featpool server is listening on {self.path}")
+        why = socket_file.clear_dead_socket(self.path)
+        if why is not None:
+            raise HandoffError(why)
 
     def close(self) -> None:
         """Stop serving: every connection is closed (its consumer counted as gone)."""
@@ -266,11 +236,7 @@ class HandoffServer:
             except FileNotFoundError:
                 pass
         if self._lock_fd >= 0:  # only after the socket's unlink: the next server may bind
-            try:
-                self._lock_file.unlink()  # while we hold it
-            except FileNotFoundError:
-                pass
-            os.close(self._lock_fd)
+            socket_file.unlock(self.path, self._lock_fd)
             self._lock_fd = -1
 
     def _shutdown(self) -> None:

@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from pool import discovery
+from pool.backends.host_shm import HostShmBackend
+from pool.client import FeatureClient
 from pool.discovery import NoFeatpool
+from pool.featurepool import FeaturePool
+from pool.server import HandoffServer
 from tests.helpers import ROOT
 
 GPU_A = "GPU-1f6e2c9a-0b1d-4e55-9a43-7c1d2e3f4a5b"
@@ -27,6 +31,8 @@ PUBLISHER = """
 import socket, sys, time
 from pathlib import Path
 from pool import discovery
+from pool.backends.host_shm import HostShmBackend
+from pool.client import FeatureClient
 path = Path(sys.argv[1])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.bind(str(path)); s.listen(1)
@@ -144,6 +150,37 @@ def test_a_live_socket_of_a_stale_entry_is_left_alone(tmp_path: Path) -> None:
         assert sock.exists()
     finally:
         listener.close()
+
+
+def test_a_restarting_server_between_bind_and_listen_keeps_its_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server restarts under its old name while another server collects the old instance's
+    stale entry. Between the restart's bind and its listen, a connect to the socket is refused
+    as if nobody served it; the collector must not remove it (the restart holds the lock)."""
+    sock = tmp_path / "x.sock"
+    kill(start_publisher(sock, GPU_A))  # leaves x.sock.json and a dead x.sock
+    pool = FeaturePool([HostShmBackend([4096])])
+    real_listen = socket.socket.listen
+    collected: list[Path] = []
+
+    def listen(self: socket.socket, *args: int) -> None:
+        if self.getsockname() == str(sock) and not collected:
+            collected.extend(discovery.collect_stale(tmp_path))
+        real_listen(self, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", listen)
+    server = HandoffServer(pool, sock)
+    server.start()
+    monkeypatch.undo()
+    try:
+        assert collected == [tmp_path / "x.sock.json"]  # the entry went, the socket stayed
+        with FeatureClient.connect(sock) as client:
+            assert client.epoch
+    finally:
+        server.close()
+        pool.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_half_written_and_foreign_files_are_not_entries(tmp_path: Path) -> None:

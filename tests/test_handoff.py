@@ -580,12 +580,12 @@ def test_lock_taken_on_a_removed_lock_file_is_taken_anew(
     """A server opens the lock file just as the previous server removes it (close) and a third
     makes a new one: its flock then holds a file no longer at the name. It must lock the file
     that is there, or the third would take the path too."""
-    from pool import server as server_mod
+    from pool import socket_file
 
     path = tmp_path / "s.sock"
     lock = tmp_path / "s.sock.lock"
     pool = FeaturePool([HostShmBackend([4096])])
-    real_flock = server_mod.fcntl.flock
+    real_flock = socket_file.fcntl.flock
     calls = []
 
     def flock(fd: int, op: int) -> None:
@@ -595,7 +595,7 @@ def test_lock_taken_on_a_removed_lock_file_is_taken_anew(
             lock.touch()
         real_flock(fd, op)
 
-    monkeypatch.setattr(server_mod.fcntl, "flock", flock)
+    monkeypatch.setattr(socket_file.fcntl, "flock", flock)
     first = HandoffServer(pool, path)
     first.start()
     monkeypatch.undo()
