@@ -809,20 +809,17 @@ class FeaturePool:
                         {"tier": b.tier, "transport": b.transport, "index": i, "size": size}
                     )
             cuda = None if gpu is None else gpu.device_info(fabric_handles=fabric_handles)
+            with self._lock:
+                if self.closed:  # closed while we built the welcome: close() missed this block
+                    raise PoolError("the pool is closed")
+                cid = self._next_consumer
+                self._next_consumer += 1
+                self._consumers[cid] = block
         except BaseException:
             for fd in fds:
                 os.close(fd)
             block.close()
             raise
-        with self._lock:
-            if self.closed:  # closed while we built the welcome: close() did not see this block
-                for fd in fds:
-                    os.close(fd)
-                block.close()
-                raise PoolError("the pool is closed")
-            cid = self._next_consumer
-            self._next_consumer += 1
-            self._consumers[cid] = block
         welcome.update(
             {
                 "consumer_id": cid,
