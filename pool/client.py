@@ -52,9 +52,16 @@ from pool.errors import (
     PoolError,
     PoolRestarted,
     StaleLease,
+    UntrustedProducer,
 )
 from pool.featurepool import INLINE, epoch_hex, parse_dtype
-from pool.protocol import PROTOCOL_VERSION, parse_host_port, recv_msg, send_msg
+from pool.protocol import (
+    PROTOCOL_VERSION,
+    parse_host_port,
+    peer_credentials,
+    recv_msg,
+    send_msg,
+)
 
 if TYPE_CHECKING:
     from pool.backends.peer import CrossGpu, GpuLink
@@ -99,12 +106,17 @@ class FeatureClient:
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
         cross_gpu: CrossGpu = "auto",
+        server_uids: Iterable[int] | None = None,
     ) -> None:
         self.address = str(socket_path)  # a Unix socket path, or tcp://HOST:PORT
         self.remote = self.address.startswith("tcp://")  # a consumer on another node
         if self.remote and not token:
             raise ValueError("a tcp:// hand-off needs the producer's token (token=...)")
+        if self.remote and server_uids is not None:
+            raise ValueError("server_uids checks a Unix socket's peer; a tcp:// hand-off has none")
         self.token = token
+        # uids the producer may run as: checked before every hello (None: any)
+        self.server_uids = None if server_uids is None else frozenset(server_uids)
         self.device = torch.device(device) if device is not None else None
         self.cross_gpu: CrossGpu = cross_gpu  # another GPU than the producer's: auto/map/copy
         self.timeout_s = timeout_s
@@ -133,13 +145,23 @@ class FeatureClient:
         device: torch.device | str | None = None,
         timeout_s: float = 10.0,
         cross_gpu: CrossGpu = "auto",
+        server_uids: Iterable[int] | None = None,
     ) -> FeatureClient:
         """Attach to a producer: receive the control block and slab FDs once and map them.
         ``device``: the GPU to read on (default: the producer's); ``cross_gpu`` when that is
         another GPU: ``auto`` (in place with peer access, else copies), ``map`` (in place or
-        an error), ``copy`` (always copies)."""
+        an error), ``copy`` (always copies). ``server_uids``: the uids the producer may run as
+        (the service's, 10001 in the image). The socket's listener is checked by the kernel's
+        account of it (SO_PEERCRED) before the hello, and so the token, is sent; another uid
+        raises UntrustedProducer. Without it, whoever serves the path is believed (a process
+        that took the name first, in a directory others can write to)."""
         client = cls(
-            socket_path, token=token, device=device, timeout_s=timeout_s, cross_gpu=cross_gpu
+            socket_path,
+            token=token,
+            device=device,
+            timeout_s=timeout_s,
+            cross_gpu=cross_gpu,
+            server_uids=server_uids,
         )
         client._attach()
         return client
@@ -157,13 +179,16 @@ class FeatureClient:
     ) -> FeatureClient:
         """Attach to the featpool of a GPU, found in ``socket_dir`` by the discovery rule of
         ``pool.discovery`` (by UUID, or by this process's CUDA index, which is also the device
-        the features are mapped on; ``owner_uids``: trust only entries those uids wrote). Call
-        it again after a ConnectionError to follow a rolling update to the new pod."""
+        the features are mapped on; ``owner_uids``: trust only entries those uids wrote, and
+        only a socket served by one of them). Call it again after a ConnectionError to follow a
+        rolling update to the new pod."""
         from pool.discovery import find
 
         entry = find(socket_dir, gpu_uuid=gpu_uuid, cuda_index=cuda_index, owner_uids=owner_uids)
         device = f"cuda:{cuda_index}" if cuda_index is not None else None
-        return cls.connect(entry.socket, token=token, device=device, timeout_s=timeout_s)
+        return cls.connect(
+            entry.socket, token=token, device=device, timeout_s=timeout_s, server_uids=owner_uids
+        )
 
     def _connect(self) -> socket.socket:
         if not self.remote:
@@ -171,6 +196,7 @@ class FeatureClient:
             sock.settimeout(self.timeout_s)
             try:
                 sock.connect(self.address)
+                self._check_producer(sock)
             except BaseException:
                 sock.close()
                 raise
@@ -179,6 +205,18 @@ class FeatureClient:
         sock = socket.create_connection(address, timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+    def _check_producer(self, sock: socket.socket) -> None:
+        """Refuse a socket whose listener runs as a uid not in ``server_uids``: the uid is the
+        kernel's (SO_PEERCRED), not the peer's word, and nothing has been sent yet."""
+        if self.server_uids is None:
+            return
+        pid, uid, _ = peer_credentials(sock)
+        if uid not in self.server_uids:
+            raise UntrustedProducer(
+                f"{self.address} is served by uid {uid} (pid {pid}), not one of "
+                f"{sorted(self.server_uids)} (server_uids): nothing was sent to it"
+            )
 
     def _attach(self) -> None:
         sock = self._connect()

@@ -76,6 +76,13 @@ class PeerRejected(HandoffError):
     type = "peer_rejected"
 
 
+class UntrustedProducer(HandoffError):
+    """The process serving the hand-off socket runs as a uid the consumer does not trust
+    (``server_uids``); nothing was sent to it."""
+
+    type = "untrusted_producer"
+
+
 class CudaUnavailable(PoolError):
     """CUDA was asked for but there is no usable NVIDIA driver or device."""
 

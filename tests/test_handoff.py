@@ -152,6 +152,77 @@ def test_peer_of_another_uid_is_refused() -> None:
         shutil.rmtree(d)
 
 
+# A process of another uid that took the socket's name first: it accepts connections and
+# prints what each sent (a consumer's hello carries the token), then exits.
+SQUATTER = """
+import os, socket, sys
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1]); s.listen(4); s.settimeout(20)
+print("listening", flush=True)
+for _ in range(int(sys.argv[2])):
+    c, _ = s.accept(); c.settimeout(2)
+    try:
+        print(repr(c.recv(4096)), flush=True)
+    except OSError:
+        print(repr(b""), flush=True)
+    c.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the squatter as nobody")
+def test_a_consumer_with_server_uids_sends_nothing_to_a_squatter() -> None:
+    """A process of another uid took the socket's name (a group-writable directory, before the
+    service started). A consumer told the service's uids (``server_uids``, or ``owner_uids``
+    through discovery, where the entry is the service's own) refuses it before its hello: the
+    squatter gets nothing, and so not the token. Without the check it gets the token."""
+    import shutil
+    import tempfile
+
+    from pool import discovery
+    from pool.errors import UntrustedProducer
+
+    d = Path(tempfile.mkdtemp(prefix="featpool-squat-"))
+    os.chmod(d, 0o777)
+    path = d / "s.sock"
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER, str(path), "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "listening\n"
+        mine = [os.getuid()]
+        with pytest.raises(UntrustedProducer, match="uid 65534"):
+            FeatureClient.connect(path, token="s3cret", server_uids=mine, timeout_s=2)
+        gpu = "GPU-00000000-0000-0000-0000-00000000000a"
+        with (
+            discovery.publish(path, gpu_uuid=gpu, device="cpu", transport="host_shm"),
+            pytest.raises(UntrustedProducer, match="uid 65534"),
+        ):
+            FeatureClient.for_gpu(d, gpu_uuid=gpu, owner_uids=mine, token="s3cret")
+        with pytest.raises((HandoffError, OSError)):  # believed: it reads the hello, says nothing
+            FeatureClient.connect(path, token="s3cret", timeout_s=2)
+        out, _ = squatter.communicate(timeout=30)
+        got = out.splitlines()
+        assert got[:2] == ["b''", "b''"], got  # the checked consumers sent nothing
+        assert "s3cret" in got[2]  # the unchecked one sent its token
+    finally:
+        squatter.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_server_uids_accept_the_service_and_are_only_for_unix_sockets(
+    served: tuple[FeaturePool, HandoffServer],
+) -> None:
+    _, server = served
+    with FeatureClient.connect(server.path, server_uids=[os.getuid()]) as client:
+        assert client.epoch
+    with pytest.raises(ValueError, match="server_uids"):
+        FeatureClient("tcp://127.0.0.1:1", token="t", server_uids=[0])
+
+
 def test_token_is_required_when_set(tmp_path: Path) -> None:
     pool = FeaturePool([HostShmBackend([MiB])])
     server = HandoffServer(pool, tmp_path / "s.sock", token="s3cret")
