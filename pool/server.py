@@ -164,13 +164,11 @@ class HandoffServer:
     def _listen(self) -> socket.socket:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_path()
-        try:
-            self._remove_stale_socket()
-        except BaseException:
-            self._cleanup()
-            raise
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            why = socket_file.clear_dead_socket(self.path)  # a crashed server's leftover
+            if why is not None:
+                raise HandoffError(why)
             sock.bind(str(self.path))
             self._bound = True
             os.chmod(self.path, 0o660)
@@ -204,11 +202,6 @@ class HandoffServer:
                 f"(it holds {socket_file.lock_path(self.path)})"
             )
         self._lock_fd = fd
-
-    def _remove_stale_socket(self) -> None:
-        why = socket_file.clear_dead_socket(self.path)
-        if why is not None:
-            raise HandoffError(why)
 
     def close(self) -> None:
         """Stop serving: every connection is closed (its consumer counted as gone)."""
