@@ -11,10 +11,10 @@ orientation, crop, antialiased resize) is tested on the CPU against Pillow.
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 import warnings
 from collections.abc import Callable
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as nnf
@@ -156,36 +156,64 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
     """nvImageCodec (``nvidia-nvimgcodec-cu13`` with ``nvidia-nvjpeg``): the GPU's hardware
     JPEG decoder where it has one (A100, H100, H200: it leaves the SMs to the encoder), else
     nvImageCodec's CUDA decoder. Planar RGB, EXIF orientation left to ``preprocess`` like
-    nvJPEG's output; decoded on torch's current stream."""
+    nvJPEG's output; decoded on torch's current stream. Its decode call takes the interpreter
+    lock back ~200 times per 128 images (beside a thread spinning in Python: 8.6 ms alone, 1.1 s
+    at a 5 ms switch interval; docs/benchmarks.md, "Fourteenth session"), so beside the
+    service's event loop it is slower than nvJPEG, which ``auto`` tries first."""
     _need_cuda(device)
     from nvidia import nvimgcodec  # type: ignore[import-not-found]
 
     kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY)
-    decoder = nvimgcodec.Decoder(
-        device_id=device.index or 0, backends=[nvimgcodec.Backend(k) for k in kinds]
-    )
     params = nvimgcodec.DecodeParams(
         apply_exif_orientation=False,
         color_spec=nvimgcodec.ColorSpec.SRGB,
         sample_format=nvimgcodec.SampleFormat.P_RGB,
     )
 
-    # nvImageCodec's types are not all thread safe (its "Thread Safety" note), and with
-    # --prepare-threads above 1 two threads decode: one call at a time, as torchvision's
-    # decoder does with a mutex of its own.
-    lock = threading.Lock()
+    def new_decoder() -> Any:
+        backends = [nvimgcodec.Backend(k) for k in kinds]
+        return nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
+
+    # nvImageCodec's types are not all thread safe (its "Thread Safety" note), so no decoder
+    # serves two calls at once: each call takes an idle one, or makes one. With
+    # --prepare-threads N, N batches decode at once on the hardware engines (torchvision's
+    # nvJPEG is one decoder behind a process-wide mutex). Beside the forward, 1 / 2 / 3
+    # decoders on as many threads decoded 6,021 / 8,589 / 9,046 images/s on the H200
+    # (docs/benchmarks.md, "Why a second thread gains little").
+    idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    idle.put(new_decoder())
 
     def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         stream = torch.cuda.current_stream(device).cuda_stream
-        with lock:
+        try:
+            decoder = idle.get_nowait()
+        except queue.Empty:
+            decoder = new_decoder()
+        try:
             streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
             out = decoder.decode(streams, params=params, cuda_stream=stream)
+        finally:
+            idle.put(decoder)
         failed = [i for i, im in enumerate(out) if im is None]
         if failed:  # JpegDecoder.decode retries one by one: each failure fails alone
             raise RuntimeError(f"nvImageCodec could not decode image(s) {failed} of {len(out)}")
         return [torch.utils.dlpack.from_dlpack(im) for im in out]
 
     return decode
+
+
+def _then_preprocess(decode: DecodeFn, device: torch.device) -> FusedFn:
+    """A decoder without a one-call operator of its own (nvImageCodec), then ``preprocess``
+    compiled by TorchScript: the preprocessing gives up and retakes the interpreter lock once
+    per batch instead of a few times per image (``decode_preprocess`` says why that counts)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = torch.jit.script(preprocess)
+
+    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
+        return cast(torch.Tensor, compiled(decode(datas, device), orientations, size))
+
+    return fused
 
 
 def _need_cuda(device: torch.device) -> None:
@@ -200,19 +228,18 @@ GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
     "nvimgcodec": _nvimgcodec_decoder,
 }
 AUTO_ORDER = ("nvjpeg", "nvimgcodec")
-# The decoders that also decode and preprocess a batch in one call (``decode_preprocess``).
+# The decoders with a one-call decode and preprocess of their own (``decode_preprocess``); the
+# others decode, then preprocess in one compiled call (``_then_preprocess``).
 FUSED_DECODERS: dict[str, Callable[[torch.device], FusedFn]] = {"nvjpeg": _torchvision_fused}
 
 
-def _fused(name: str, device: torch.device) -> FusedFn | None:
-    """``name``'s one-call decode and preprocess, or None: without it (TorchScript gone from
-    a later torch, say) the decoder still works, a few interpreter-lock waits per image
-    slower."""
+def _fused(name: str, device: torch.device, decode: DecodeFn) -> FusedFn | None:
+    """``name``'s one-call decode and preprocess (``decode`` then compiled preprocessing where
+    the library has no such call), or None: without it (TorchScript gone from a later torch,
+    say) the decoder still works, a few interpreter-lock waits per image slower."""
     factory = FUSED_DECODERS.get(name)
-    if factory is None:
-        return None
     try:
-        return factory(device)
+        return factory(device) if factory is not None else _then_preprocess(decode, device)
     except Exception as e:
         log.warning("%s: no one-call decode and preprocess (%s); decoding per image", name, e)
         return None
@@ -253,7 +280,8 @@ class JpegDecoder:
         reasons = []
         for name in AUTO_ORDER if decoder == "auto" else [decoder]:
             try:
-                made = cls(device, GPU_DECODERS[name](device), name, _fused(name, device))
+                decode = GPU_DECODERS[name](device)
+                made = cls(device, decode, name, _fused(name, device, decode))
                 made.warmup()
             except Exception as e:  # not installed, no CUDA, a library that cannot decode
                 reasons.append(f"{name}: {e}")

@@ -159,3 +159,23 @@ def test_each_gpu_decode_call_waits_for_the_current_stream_first(
     calls.clear()
     JpegDecoder(CPU, decode, "nvjpeg", fused).decode([data])
     assert calls == ["decode 1"]
+
+
+def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
+    decoders: dict[str, Callable[..., DecodeFn]],
+) -> None:
+    """nvImageCodec has no decode-and-preprocess operator: its one call is its decode, then
+    ``preprocess`` compiled by TorchScript, with preprocess's own result (a stand-in decoder
+    on the CPU here)."""
+    from tests.test_imaging import jpeg, photo
+
+    decoders.update(nvimgcodec=works)
+    made = JpegDecoder.create(CPU, "auto", "nvimgcodec")
+    assert made is not None and made._fused is not None
+    datas = [
+        torch.frombuffer(bytearray(jpeg(photo(w, h))), dtype=torch.uint8)
+        for w, h in ((64, 48), (30, 50))
+    ]
+    got = made.decode_preprocess(datas, [1, 6], 24)
+    want = gd.preprocess(pil_decode(datas, CPU), [1, 6], 24)
+    assert got is not None and torch.equal(got, want)

@@ -5,7 +5,9 @@ with it and says so."""
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.gpu_decode import JpegDecoder
+from app.gpu_decode import JpegDecoder, preprocess
 from app.imaging import inspect
 from app.main import create_app
 from app.settings import Settings
@@ -83,3 +85,51 @@ def test_server_with_nvimgcodec(tmp_path: Path) -> None:
         r = c.post("/v1/encode", files=files)
         assert r.status_code == 200, r.text
         assert len(r.json()["items"]) == 3
+
+
+def test_nvimgcodec_one_call_is_decode_then_preprocess() -> None:
+    """nvImageCodec has no decode-and-preprocess operator: the decoder's one call is its
+    decode, then ``preprocess`` compiled by TorchScript, and gives exactly what the two steps
+    give from Python (orientations included)."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    dec = JpegDecoder.create(torch.device("cuda"), "auto", "nvimgcodec")
+    assert dec is not None and dec._fused is not None
+    datas = [frombytes(d) for d in photos()]
+    orientations = [1, 6, 3]
+    got = dec.decode_preprocess(datas, orientations, 224)
+    decoded = dec.decode(datas)
+    assert all(isinstance(x, torch.Tensor) for x in decoded)
+    want = preprocess(cast(list[torch.Tensor], decoded), orientations, 224)
+    assert got is not None and got.shape == (3, 3, 224, 224)
+    assert torch.equal(got, want)
+
+
+def test_nvimgcodec_decodes_on_several_threads_at_once() -> None:
+    """Each concurrent call takes a decoder of its own (nvImageCodec's are not thread safe):
+    four threads, each on a CUDA stream of its own as the prepare threads are, decoding the
+    photos in their own order, each get every image's own pixels, every time."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    dev = torch.device("cuda")
+    dec = JpegDecoder.create(dev, "auto", "nvimgcodec")
+    assert dec is not None
+    datas = [frombytes(d) for d in photos()]
+    want = [cast(torch.Tensor, x).cpu() for x in dec.decode(datas)]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        stream = torch.cuda.Stream(dev)
+        order = [(k + i) % len(datas) for i in range(len(datas))] * 3
+        for _ in range(10):
+            with torch.cuda.stream(stream):
+                outs = dec.decode([datas[i] for i in order])
+                stream.synchronize()
+            for i, out in zip(order, outs, strict=True):
+                if not (isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[i])):
+                    errors.append(f"thread {k}: image {i} is not its own")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
