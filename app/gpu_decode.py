@@ -156,10 +156,11 @@ def _nvimgcodec_decoder(device: torch.device) -> DecodeFn:
     """nvImageCodec (``nvidia-nvimgcodec-cu13`` with ``nvidia-nvjpeg``): the GPU's hardware
     JPEG decoder where it has one (A100, H100, H200: it leaves the SMs to the encoder), else
     nvImageCodec's CUDA decoder. Planar RGB, EXIF orientation left to ``preprocess`` like
-    nvJPEG's output; decoded on torch's current stream. Its decode call takes the interpreter
-    lock back ~200 times per 128 images (beside a thread spinning in Python: 8.6 ms alone, 1.1 s
-    at a 5 ms switch interval; docs/benchmarks.md, "Fourteenth session"), so beside the
-    service's event loop it is slower than nvJPEG, which ``auto`` tries first."""
+    nvJPEG's output; decoded on torch's current stream. Its Python binding gives up the
+    interpreter lock and waits for it twice per image (128 photos beside a thread spinning in
+    Python: 8.6 ms alone, 107 ms at the service's 0.5 ms switch interval; docs/benchmarks.md,
+    "Fourteenth session"), so beside the service's event loop it is slower than nvJPEG, which
+    ``auto`` tries first."""
     _need_cuda(device)
     from nvidia import nvimgcodec  # type: ignore[import-not-found]
 
