@@ -134,16 +134,21 @@ def _torchvision_decoder(device: torch.device) -> DecodeFn:
     return decode
 
 
+def torchscript(fn: Callable[..., torch.Tensor]) -> Any:
+    """``fn`` compiled by TorchScript. TorchScript is deprecated (for torch.compile), and is
+    what runs a batch's decode and preprocessing as one call here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(fn)
+
+
 def _torchvision_fused(device: torch.device) -> FusedFn:
     """``decode_preprocess`` compiled by TorchScript (torchvision's operator must be loaded
     first: importing ``torchvision.io`` does it)."""
     _need_cuda(device)
     from torchvision.io import ImageReadMode
 
-    # TorchScript is deprecated (for torch.compile), and is what runs a batch as one call here
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        compiled = torch.jit.script(decode_preprocess)
+    compiled = torchscript(decode_preprocess)
     mode = ImageReadMode.RGB.value
 
     def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
@@ -207,9 +212,7 @@ def _then_preprocess(decode: DecodeFn, device: torch.device) -> FusedFn:
     """A decoder without a one-call operator of its own (nvImageCodec), then ``preprocess``
     compiled by TorchScript: the preprocessing gives up and retakes the interpreter lock once
     per batch instead of a few times per image (``decode_preprocess`` says why that counts)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        compiled = torch.jit.script(preprocess)
+    compiled = torchscript(preprocess)
 
     def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
         return cast(torch.Tensor, compiled(decode(datas, device), orientations, size))

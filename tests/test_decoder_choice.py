@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 import app.gpu_decode as gd
 from app.gpu_decode import DecodeFn, JpegDecoder
-from tests.test_imaging import pil_decode
+from tests.test_imaging import jpeg, photo, pil_decode
 
 CPU = torch.device("cpu")
 
@@ -126,8 +126,6 @@ def test_a_named_decoder_is_reported_by_the_server(
     assert c.get("/v1/pool").json()["decoder"] == "nvimgcodec"
     assert 'decoder="nvimgcodec"' in c.get("/metrics").text
     calls.clear()  # the warm-up's
-    from tests.test_imaging import jpeg, photo
-
     r = c.post("/v1/encode", content=jpeg(photo(64, 48)), headers={"content-type": "image/jpeg"})
     assert r.status_code == 200, r.text
     assert calls == [1]
@@ -167,8 +165,6 @@ def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
     """nvImageCodec has no decode-and-preprocess operator: its one call is its decode, then
     ``preprocess`` compiled by TorchScript, with preprocess's own result (a stand-in decoder
     on the CPU here)."""
-    from tests.test_imaging import jpeg, photo
-
     decoders.update(nvimgcodec=works)
     made = JpegDecoder.create(CPU, "auto", "nvimgcodec")
     assert made is not None and made._fused is not None

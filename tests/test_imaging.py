@@ -5,7 +5,6 @@ a fake decoder: batching, per-image retry, Pillow fallback, 400 for the bad imag
 from __future__ import annotations
 
 import io
-import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -25,6 +24,7 @@ from app.gpu_decode import (
     preprocess,
     resize_square,
     resize_weights,
+    torchscript,
 )
 from app.imaging import decode, inspect
 from tests.conftest import image_bytes, occupancy
@@ -83,12 +83,9 @@ def test_orient_matches_pillow_exif_transpose(orientation: int) -> None:
 
 def scripted_preprocess() -> Callable[[list[torch.Tensor], list[int], int], torch.Tensor]:
     """``preprocess`` as TorchScript compiles it (for nvJPEG's one-call decode on the GPU)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cast(
-            Callable[[list[torch.Tensor], list[int], int], torch.Tensor],
-            torch.jit.script(preprocess),
-        )
+    return cast(
+        Callable[[list[torch.Tensor], list[int], int], torch.Tensor], torchscript(preprocess)
+    )
 
 
 PREPROCESS = pytest.mark.parametrize(
