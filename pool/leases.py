@@ -13,7 +13,7 @@ rather than "not found" (404).
 from __future__ import annotations
 
 import heapq
-import secrets
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -72,6 +72,31 @@ class Lease:
         return time.time() + (self.deadline - clock())
 
 
+class LeaseIds:
+    """Lease IDs: 128 bits each from the operating system's CSPRNG (``os.urandom``, what
+    ``secrets.token_hex`` reads), drawn ``chunk`` bytes at a time. ``os.urandom`` gives up the
+    interpreter lock for its system call, and in the GPU process, where other threads want
+    the lock, taking it back can wait up to the switch interval: one draw per 256 IDs
+    instead of one per lease (docs/benchmarks.md, "Fifteenth session"). Not thread-safe. A
+    process forked (not exec'd) after a draw would repeat its parent's next IDs; featpool
+    starts its other processes with subprocess."""
+
+    SIZE = 16  # bytes of an ID
+
+    def __init__(self, chunk: int = 4096) -> None:
+        if chunk < self.SIZE or chunk % self.SIZE:
+            raise ValueError(f"chunk must be a positive multiple of {self.SIZE}")
+        self._chunk = chunk
+        self._pool = b""
+        self._at = 0
+
+    def next(self) -> str:
+        if self._at == len(self._pool):
+            self._pool, self._at = os.urandom(self._chunk), 0
+        at, self._at = self._at, self._at + self.SIZE
+        return self._pool[at : self._at].hex()
+
+
 class LeaseTable:
     """Slot bookkeeping and the lease state machine. Not thread-safe: the pool holds the lock."""
 
@@ -98,6 +123,7 @@ class LeaseTable:
         # due instead of scanning every live lease 50 times a second. Entries of leases that
         # ended or were renewed since are skipped when popped (and dropped when they pile up).
         self._deadlines: list[tuple[float, str]] = []
+        self._ids = LeaseIds()
 
     def __len__(self) -> int:
         return len(self._active)
@@ -127,7 +153,7 @@ class LeaseTable:
         gen = self._generations[slot] % GEN_MAX + 1  # skip 0 on wrap-around
         self._generations[slot] = gen
         lease = Lease(
-            id=secrets.token_hex(16),
+            id=self._ids.next(),
             slot=slot,
             generation=gen,
             tier=tier,

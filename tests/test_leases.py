@@ -145,3 +145,43 @@ def test_expire_due_ends_exactly_the_leases_a_full_scan_finds(clock: FakeClock) 
             assert len(got) == len(set(got)) and set(got) == want
             live = [i for i in live if i not in want]
     assert len(t) == len(live)
+
+
+def test_lease_ids_are_the_csprngs_bytes_drawn_a_chunk_at_a_time(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ID is 16 bytes of os.urandom's output in hex, and 600 leases draw from it 3 times
+    (4 KiB each), not 600: each draw gives up the interpreter lock, and in the GPU process
+    taking it back waits behind the other threads."""
+    import os
+
+    import pool.leases
+
+    draws: list[bytes] = []
+    real = os.urandom
+
+    def urandom(n: int) -> bytes:
+        draws.append(real(n))
+        return draws[-1]
+
+    monkeypatch.setattr(pool.leases.os, "urandom", urandom)
+    t = LeaseTable(4, clock=clock)
+    ids = []
+    for _ in range(600):
+        lease = reserve(t)
+        ids.append(lease.id)
+        t.release(lease.id)
+    assert len(draws) == 3 and all(len(d) == 4096 for d in draws)
+    drawn = b"".join(draws)
+    assert ids == [drawn[16 * i : 16 * (i + 1)].hex() for i in range(600)]
+    assert len(set(ids)) == 600
+
+
+def test_lease_ids_chunk_must_hold_whole_ids() -> None:
+    from pool.leases import LeaseIds
+
+    for bad in (0, 8, 4100):
+        with pytest.raises(ValueError):
+            LeaseIds(bad)
+    ids = LeaseIds(32)
+    assert len({ids.next() for _ in range(5)}) == 5
