@@ -1,8 +1,11 @@
+import os
+
 import pytest
 
+import pool.leases
 from pool.allocator import Extent
 from pool.errors import LeaseExpired, LeaseNotFound, LeaseReleased, PoolExhausted
-from pool.leases import GEN_MAX, LeaseState, LeaseTable
+from pool.leases import GEN_MAX, LeaseIds, LeaseState, LeaseTable
 from tests.conftest import FakeClock
 
 
@@ -153,10 +156,6 @@ def test_lease_ids_are_the_csprngs_bytes_drawn_a_chunk_at_a_time(
     """Each ID is 16 bytes of os.urandom's output in hex, and 600 leases draw from it 3 times
     (4 KiB each), not 600: each draw gives up the interpreter lock, and in the GPU process
     taking it back waits behind the other threads."""
-    import os
-
-    import pool.leases
-
     draws: list[bytes] = []
     real = os.urandom
 
@@ -178,8 +177,6 @@ def test_lease_ids_are_the_csprngs_bytes_drawn_a_chunk_at_a_time(
 
 
 def test_lease_ids_chunk_must_hold_whole_ids() -> None:
-    from pool.leases import LeaseIds
-
     for bad in (0, 8, 4100):
         with pytest.raises(ValueError):
             LeaseIds(bad)
