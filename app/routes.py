@@ -30,7 +30,7 @@ from app.engine_client import (
     engine_client,
 )
 from app.errors import ApiError
-from app.featindex import check_id, scope_of
+from app.featindex import check_id, content_digest, scope_of
 from app.imaging import Header, check_content_type, image_limits, inspect, request_decoded_bytes
 from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
@@ -197,11 +197,15 @@ async def admit_and_encode(
     admitted = False
     try:
         with admission.try_acquire(len(images)) as permit:
-            headers = await inspector.run(_inspect_all, images, s)
+            inspected = await inspector.run(_inspect_all, images, s)
+            headers = [h for h, _ in inspected]
             permit.grow(request_decoded_bytes(headers, s.max_request_decoded_bytes))
             admitted = True
             return await client.encode(
-                [ImageIn(label, data, h) for (label, data), h in zip(images, headers, strict=True)],
+                [
+                    ImageIn(label, data, h, digest)
+                    for (label, data), (h, digest) in zip(images, inspected, strict=True)
+                ],
                 options,
             )
     except ApiError as e:
@@ -218,16 +222,12 @@ async def admit_and_encode(
             metrics.admission.labels("admitted").inc(len(images))
 
 
-def _inspect_all(images: Sequence[tuple[str, bytes]], s: Settings) -> list[Header]:
-    """On the inspector's threads: one hop per request, not per image."""
-    return [
-        inspect(
-            d,
-            **image_limits(s),
-            label=lb,
-        )
-        for lb, d in images
-    ]
+def _inspect_all(images: Sequence[tuple[str, bytes]], s: Settings) -> list[tuple[Header, bytes]]:
+    """On the inspector's threads: one hop per request, not per image. Each image's header,
+    and its content digest: SHA-256 of a ~200 KB photo takes ~0.13 ms, which here runs beside
+    the event loop (hashlib lets go of the interpreter lock) instead of on it."""
+    limits = image_limits(s)
+    return [(inspect(d, **limits, label=lb), content_digest(d)) for lb, d in images]
 
 
 async def _multipart_images(

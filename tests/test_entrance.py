@@ -5,6 +5,7 @@ path."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.engine
 import app.routes
 from app.admission import Admission, BoundedExecutor
 from app.engine_client import EncodeOptions, FeatureQuery, ImageIn
@@ -197,6 +199,33 @@ def test_health_answers_while_a_hostile_header_is_parsed(
             gate.set()
             t.join(60)
         assert result["status"] == 200  # a valid image after all, only slow to parse
+
+
+def test_the_content_digest_is_taken_beside_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each upload's SHA-256 (the feature index's key) is taken on the inspector's threads
+    with its header, not on the event loop that parses every other request; the engine then
+    uses that digest instead of hashing the bytes again."""
+    taken: list[tuple[str, bytes]] = []
+
+    def recorded(data: Any) -> bytes:
+        digest = hashlib.sha256(data).digest()
+        taken.append((threading.current_thread().name, digest))
+        return digest
+
+    monkeypatch.setattr(app.routes, "content_digest", recorded, raising=False)
+    monkeypatch.setattr(app.engine, "content_digest", recorded)
+    with live_server(small_settings(tmp_path)) as live:
+        r = httpx.post(
+            f"{live.url}/v1/encode",
+            content=JPEG,
+            headers={"content-type": "image/jpeg"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    assert taken == [(taken[0][0], hashlib.sha256(JPEG).digest())]  # once, of the upload
+    assert taken[0][0].startswith("featpool-inspect")
 
 
 def test_the_inspector_queue_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
