@@ -38,7 +38,7 @@ class ImageIn:
     label: str
     data: ImageData
     header: Header | None = None
-    digest: bytes | None = None  # SHA-256 of data, where a front computed it (featindex)
+    digest: bytes | None = None  # SHA-256 of data, as the entrance computed it (featindex)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,9 @@ def identity_digest(identity: dict[str, Any]) -> bytes:
 
 
 def content_digest(data: ImageData) -> bytes:
-    """SHA-256 of an image's bytes. Front processes compute it beside the upload (they have
-    cores to spare), so the one GPU process hashes 64 bytes per image, not the image."""
+    """SHA-256 of an image's bytes. The entrance computes it with the image's header, on its
+    inspector threads (``app.routes._inspect_all``), so neither its event loop nor the one GPU
+    process hashes the image: behind fronts the GPU process hashes 64 bytes per image."""
     return hashlib.sha256(data).digest()
 
 
