@@ -24,8 +24,9 @@ from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import RETRY_AFTER, ApiError
 from app.featindex import FeatureIndex, content_digest, feature_hash, identity_digest
-from app.gpu_decode import JpegDecoder, preprocess
+from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
+from app.job_arena import ArenaView
 from app.metrics import Metrics
 from app.preprocess import ImageSpec, device_index, orient
 from app.settings import Settings, resolve_batching
@@ -127,6 +128,8 @@ class Job:
     pixels: torch.Tensor | None = None
     jpeg: ImageData = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
     orientation: int = 1
+    arena: ArenaView | None = None  # the job arena jpeg is a view of (ImageIn.arena), and where
+    arena_offset: int = 0
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
     dtype: torch.dtype | None = None  # cast before publishing; None keeps the encoder's
 
@@ -137,6 +140,43 @@ def byte_tensor(data: ImageData) -> torch.Tensor:
     if isinstance(data, memoryview) and not data.readonly:
         return torch.frombuffer(data, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def arena_tensor(arena: ArenaView) -> torch.Tensor | None:
+    """A front's whole job arena as one uint8 tensor, made once per connection and kept on the
+    arena (which drops it at close); None once the connection closed."""
+    whole = arena.tensor
+    if whole is None:
+        view = arena.whole()
+        if view is None:
+            return None
+        # (two prepare threads may both make one: either serves, and the loser is dropped)
+        whole = arena.tensor = torch.frombuffer(view, dtype=torch.uint8)
+        if arena.closed:  # it closed meanwhile: only this batch holds the tensor now
+            arena.tensor = None
+    return cast(torch.Tensor, whole)
+
+
+def byte_spans(jobs: Sequence[Job]) -> ByteSpans:
+    """The jobs' JPEGs for a one-call decode: spans of their arenas' tensors, without a tensor
+    per image; a JPEG that is not in an open arena (sent inline) gets a tensor of its own."""
+    sources: list[torch.Tensor] = []
+    index: dict[int, int] = {}  # id(an arena's tensor) -> its place in sources
+    which, offsets, sizes = [], [], []
+    for job in jobs:
+        whole = arena_tensor(job.arena) if job.arena is not None else None
+        if whole is None:
+            which.append(len(sources))
+            sources.append(byte_tensor(job.jpeg))
+            offsets.append(0)
+        else:
+            k = index.setdefault(id(whole), len(sources))
+            if k == len(sources):
+                sources.append(whole)
+            which.append(k)
+            offsets.append(job.arena_offset)
+        sizes.append(len(job.jpeg))
+    return ByteSpans(sources, which, offsets, sizes)
 
 
 class Engine:
@@ -376,7 +416,14 @@ class Engine:
         size = None if is_dynamic(self.encoder) else cast(Encoder, self.encoder).image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
-            Job(img.label, ttl_s, jpeg=img.data, orientation=img.header.orientation)
+            Job(
+                img.label,
+                ttl_s,
+                jpeg=img.data,
+                orientation=img.header.orientation,
+                arena=img.arena,
+                arena_offset=img.arena_offset,
+            )
             if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
             else None
             for img in images
@@ -574,7 +621,14 @@ class Engine:
                 label=img.label,
             )
             if h.gpu_jpeg:
-                return Job(img.label, None, jpeg=img.data, orientation=h.orientation)
+                return Job(
+                    img.label,
+                    None,
+                    jpeg=img.data,
+                    orientation=h.orientation,
+                    arena=img.arena,
+                    arena_offset=img.arena_offset,
+                )
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
     def _decode(self, label: str, data: ImageData, size: int | None) -> torch.Tensor:
@@ -655,8 +709,8 @@ class Engine:
         assert self.jpeg is not None
         if self._spec is not None:
             return None
-        datas = [byte_tensor(jobs[i].jpeg) for i in idx]
-        return self.jpeg.decode_preprocess(datas, [jobs[i].orientation for i in idx], size)
+        spans = byte_spans([jobs[i] for i in idx])
+        return self.jpeg.decode_preprocess(spans, [jobs[i].orientation for i in idx], size)
 
     def _decode_jpegs(
         self, jobs: list[Job], idx: list[int], size: int | None, failed: dict[int, BaseException]

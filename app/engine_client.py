@@ -20,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.imaging import Header, ImageData
+from app.job_arena import ArenaView
 from pool.descriptor import FeatureInfo, LeaseDescriptor
 
 
@@ -39,6 +40,9 @@ class ImageIn:
     data: ImageData
     header: Header | None = None
     digest: bytes | None = None  # SHA-256 of data, as the entrance computed it (featindex)
+    # Behind front processes: the job arena that data is a view of, and where in it data starts
+    arena: ArenaView | None = None
+    arena_offset: int = 0
 
 
 @dataclass(frozen=True)

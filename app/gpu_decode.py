@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -24,6 +25,38 @@ from app.preprocess import device_index, orient
 log = logging.getLogger(__name__)
 
 DecodeFn = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+
+
+def narrow_spans(
+    sources: list[torch.Tensor], which: list[int], offsets: list[int], sizes: list[int]
+) -> list[torch.Tensor]:
+    """Image i's bytes, ``sources[which[i]][offsets[i] : offsets[i] + sizes[i]]``, as a view
+    each. TorchScript-compatible: inside a compiled call the views are made and freed without
+    the interpreter."""
+    return [sources[which[i]].narrow(0, offsets[i], sizes[i]) for i in range(len(which))]
+
+
+@dataclass
+class ByteSpans:
+    """A batch's JPEGs as spans of a few uint8 CPU tensors (``narrow_spans``). Behind front
+    processes the source of most spans is a front's whole job arena, one tensor made once per
+    connection, so the one-call decoder takes a batch without a tensor made and freed per image
+    from Python: beside a busy event loop each tensor freed waits for the interpreter lock
+    (docs/benchmarks.md, "One call per batch", and "Seventeenth session")."""
+
+    sources: list[torch.Tensor]
+    which: list[int]
+    offsets: list[int]
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, datas: Sequence[torch.Tensor]) -> ByteSpans:
+        """One span per tensor, each its whole."""
+        n = len(datas)
+        return cls(list(datas), list(range(n)), [0] * n, [int(d.numel()) for d in datas])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return narrow_spans(self.sources, self.which, self.offsets, self.sizes)
 
 
 def centre_square(x: torch.Tensor) -> torch.Tensor:
@@ -92,20 +125,28 @@ def preprocess(images: list[torch.Tensor], orientations: list[int], size: int) -
     return out
 
 
-def decode_preprocess(
-    datas: list[torch.Tensor], orientations: list[int], size: int, mode: int, device: torch.device
+def decode_preprocess(  # noqa: PLR0917 (TorchScript: called positionally from the wrapper)
+    sources: list[torch.Tensor],
+    which: list[int],
+    offsets: list[int],
+    sizes: list[int],
+    orientations: list[int],
+    size: int,
+    mode: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """nvJPEG's batched decode (torchvision's operator) and ``preprocess``, to be compiled by
-    TorchScript into one call. Every torch call from Python gives up the interpreter lock and
-    takes it back (as does every tensor freed), and beside a busy thread each take waits up to
-    the switch interval: a few per image here (128 images beside a spinning thread at a 5 ms
-    switch interval: 1.7-1.9 s as Python, 30-40 ms as one call; docs/benchmarks.md, "One call
-    per batch")."""
+    """nvJPEG's batched decode (torchvision's operator) of the JPEGs in ``ByteSpans``' fields,
+    and ``preprocess``, to be compiled by TorchScript into one call. Every torch call from
+    Python gives up the interpreter lock and takes it back (as does every tensor freed), and
+    beside a busy thread each take waits up to the switch interval: a few per image here (128
+    images beside a spinning thread at a 5 ms switch interval: 1.7-1.9 s as Python, 30-40 ms as
+    one call; docs/benchmarks.md, "One call per batch")."""
+    datas = narrow_spans(sources, which, offsets, sizes)
     images = torch.ops.image.decode_jpegs_cuda(datas, mode, device)
     return preprocess(images, orientations, size)
 
 
-FusedFn = Callable[[list[torch.Tensor], list[int], int], torch.Tensor]
+FusedFn = Callable[[ByteSpans, list[int], int], torch.Tensor]
 
 
 def _current_stream_done(device: torch.device) -> None:
@@ -151,8 +192,20 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
     compiled = torchscript(decode_preprocess)
     mode = ImageReadMode.RGB.value
 
-    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
-        return cast(torch.Tensor, compiled(datas, orientations, size, mode, device))
+    def fused(spans: ByteSpans, orientations: list[int], size: int) -> torch.Tensor:
+        return cast(
+            torch.Tensor,
+            compiled(
+                spans.sources,
+                spans.which,
+                spans.offsets,
+                spans.sizes,
+                orientations,
+                size,
+                mode,
+                device,
+            ),
+        )
 
     return fused
 
@@ -214,8 +267,8 @@ def _then_preprocess(decode: DecodeFn, device: torch.device) -> FusedFn:
     per batch instead of a few times per image (``decode_preprocess`` says why that counts)."""
     compiled = torchscript(preprocess)
 
-    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
-        return cast(torch.Tensor, compiled(decode(datas, device), orientations, size))
+    def fused(spans: ByteSpans, orientations: list[int], size: int) -> torch.Tensor:
+        return cast(torch.Tensor, compiled(decode(spans.tensors(), device), orientations, size))
 
     return fused
 
@@ -313,7 +366,7 @@ class JpegDecoder:
         if self._fused is not None:
             try:
                 for _ in range(3):  # TorchScript profiles its first calls, then optimises
-                    self._fused([data, data], [1, 6], 8)
+                    self._fused(ByteSpans.of([data, data]), [1, 6], 8)
             except (RuntimeError, torch.jit.Error) as e:
                 log.warning("%s: one-call decode and preprocess failed (%s)", self.name, e)
                 self._fused = None
@@ -323,7 +376,7 @@ class JpegDecoder:
             _current_stream_done(self.device)
 
     def decode_preprocess(
-        self, datas: list[torch.Tensor], orientations: list[int], size: int
+        self, spans: ByteSpans, orientations: list[int], size: int
     ) -> torch.Tensor | None:
         """The batch decoded and preprocessed (``preprocess``) in one call, or None where this
         decoder has no such call or refused the batch (``decode`` then retries image by
@@ -332,11 +385,11 @@ class JpegDecoder:
             return None
         self._stream_done()
         try:
-            return self._fused(datas, orientations, size)
+            return self._fused(spans, orientations, size)
         except (RuntimeError, torch.jit.Error) as e:  # TorchScript's is no RuntimeError
             # a JPEG nvJPEG refuses, or the device out of memory: the per-image path sorts it
             last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
-            log.info("one-call decode of a batch of %d failed (%s)", len(datas), last[0])
+            log.info("one-call decode of a batch of %d failed (%s)", len(spans.which), last[0])
             return None
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:

@@ -21,7 +21,8 @@ The GPU process checks what it maps and what it reads: a memfd (``F_GET_SEALS`` 
 for memfds) sealed against shrinking (a front that truncates the file under a mapping would
 kill the GPU process with SIGBUS), and every job's range inside the arena. A view keeps the
 mapping alive (``mmap`` refuses to close while views exist), so a connection's arena is unmapped
-only after the last job that reads it let go of its views. No torch here: fronts import this.
+only after the last job that reads it let go of its views (and the last batch of the engine's
+tensor of it). No torch here: fronts import this.
 """
 
 from __future__ import annotations
@@ -111,10 +112,26 @@ class ArenaView:
             raise ArenaError(f"the job arena cannot be mapped ({e})") from None
         self.size = nbytes
         self._view: memoryview | None = memoryview(self._map)
+        # The engine's uint8 tensor of the whole mapping (app.engine.arena_tensor), made once so
+        # that a batch's JPEGs are spans of it rather than a tensor each. No torch here: it is
+        # whatever the engine keeps, and it goes at close.
+        self.tensor: object | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    def whole(self) -> memoryview | None:
+        """A new view of the whole mapping, for one zero-copy tensor of it; None once closed.
+        Like the images' views it keeps the mapping alive while it lives (a view of the mmap
+        itself would not: ``torch.frombuffer`` lets go of the buffer at once and keeps only a
+        reference, and the mapping would be unmapped under the tensor)."""
+        return None if self._view is None else memoryview(self._map)
 
     def images(self, offset: object, sizes: Sequence[object]) -> list[memoryview]:
-        """Views of images of ``sizes`` bytes stored back to back from ``offset``; ArenaError
-        if any byte of them lies outside the arena."""
+        """Views of images of ``sizes`` bytes stored back to back from ``offset`` (image i's
+        from ``offset + sum(sizes[:i])``); ArenaError if any byte of them lies outside the
+        arena."""
         if self._view is None:
             raise ArenaError("the job arena is closed")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -139,6 +156,7 @@ class ArenaView:
             return
         self._view.release()
         self._view = None
+        self.tensor = None  # a batch that still reads holds it, and it the mapping
         try:
             self._map.close()
         except BufferError:  # a job still reads: its views keep the mapping

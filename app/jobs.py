@@ -222,7 +222,8 @@ def _image_data(
     header: dict[str, Any], payload: bytes, arena: ArenaView | None
 ) -> list[memoryview]:
     """The bytes of an encode job's images, as views (of the arena, or of the payload): each
-    range checked to lie inside what the front sent (ArenaError if not)."""
+    range checked to lie inside what the front sent (ArenaError if not). Views of the arena
+    lie back to back from the header's arena_offset."""
     if header.get("op") != "encode":
         return []
     try:
@@ -396,7 +397,8 @@ class JobServer:
                 except ArenaError as e:
                     await self._reply(replies, header, *_error("invalid_request", str(e)))
                     continue
-                task = asyncio.create_task(self._job(header, datas, replies, time.perf_counter()))
+                job = self._job(header, datas, arena, replies, time.perf_counter())
+                task = asyncio.create_task(job)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError):
@@ -406,13 +408,14 @@ class JobServer:
         self,
         header: dict[str, Any],
         datas: list[memoryview],
+        arena: ArenaView | None,
         replies: _Replies,
         started: float,
     ) -> None:
         headers: dict[str, str] = {}
         out = b""
         try:
-            body, out = await self._answer(header, datas)
+            body, out = await self._answer(header, datas, arena)
             status = 200
         except ApiError as e:
             status, body = _error(e.type, e.message)
@@ -444,15 +447,27 @@ class JobServer:
             await replies.send({**frame, "body": body}, [out] if out else (), leases)
 
     async def _answer(
-        self, h: dict[str, Any], datas: list[memoryview]
+        self, h: dict[str, Any], datas: list[memoryview], arena: ArenaView | None
     ) -> tuple[dict[str, Any] | EncodeResponse, bytes]:
         c, op = self._client, h.get("op")
         if op == "encode":
             digests = _digests(h.get("digests"), len(datas))
-            images = [
-                ImageIn(str(label), data, Header(**head) if head else None, digest)
-                for (label, _, head), data, digest in zip(h["images"], datas, digests, strict=True)
-            ]
+            # Where each view starts in the arena (_image_data checked the ranges), else None
+            at = h.get("arena_offset") if arena is not None else None
+            images = []
+            for (label, _, head), data, digest in zip(h["images"], datas, digests, strict=True):
+                images.append(
+                    ImageIn(
+                        str(label),
+                        data,
+                        Header(**head) if head else None,
+                        digest,
+                        arena if at is not None else None,
+                        at or 0,
+                    )
+                )
+                if at is not None:
+                    at += len(data)
             # The fronts' permits bound each front; this one bounds them all together.
             decoded = sum(i.header.decoded_bytes for i in images if i.header is not None)
             with self._admission.try_acquire(len(images), decoded):

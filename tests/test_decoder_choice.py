@@ -145,14 +145,14 @@ def test_each_gpu_decode_call_waits_for_the_current_stream_first(
         calls.append(f"decode {len(datas)}")
         return [torch.zeros(3, 2, 2, dtype=torch.uint8) for _ in datas]
 
-    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
-        calls.append(f"fused {len(datas)}")
-        return torch.zeros(len(datas), 3, size, size)
+    def fused(spans: gd.ByteSpans, orientations: list[int], size: int) -> torch.Tensor:
+        calls.append(f"fused {len(spans.which)}")
+        return torch.zeros(len(spans.which), 3, size, size)
 
     data = torch.zeros(4, dtype=torch.uint8)
     dec = JpegDecoder(torch.device("cuda"), decode, "nvjpeg", fused)  # stand-ins: no CUDA used
     dec.decode([data, data])
-    assert dec.decode_preprocess([data] * 3, [1] * 3, 8) is not None
+    assert dec.decode_preprocess(gd.ByteSpans.of([data] * 3), [1] * 3, 8) is not None
     assert calls == ["wait", "decode 2", "wait", "fused 3"]
     calls.clear()
     JpegDecoder(CPU, decode, "nvjpeg", fused).decode([data])
@@ -172,6 +172,6 @@ def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
         torch.frombuffer(bytearray(jpeg(photo(w, h))), dtype=torch.uint8)
         for w, h in ((64, 48), (30, 50))
     ]
-    got = made.decode_preprocess(datas, [1, 6], 24)
+    got = made.decode_preprocess(gd.ByteSpans.of(datas), [1, 6], 24)
     want = gd.preprocess(pil_decode(datas, CPU), [1, 6], 24)
     assert got is not None and torch.equal(got, want)

@@ -3,15 +3,22 @@ process's checked, zero-copy views of it, and the mapping's lifetime."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from app.engine import byte_tensor
+from app.admission import Admission
+from app.engine import Job, arena_tensor, byte_spans, byte_tensor
+from app.engine_client import EncodeOptions, ImageIn
+from app.gpu_decode import ByteSpans, narrow_spans, torchscript
 from app.job_arena import ArenaError, ArenaView, FrontArena
+from app.jobs import JobClient, JobServer
 
 
 def test_ranges_are_freed_and_reused_and_a_full_arena_says_so() -> None:
@@ -175,3 +182,110 @@ def test_every_fd_a_hello_brings_is_closed(hello: dict[str, object], why: str | 
         ours.close()
         theirs.close()
         arena.close()
+
+
+def test_a_batch_of_arena_jpegs_is_spans_of_one_tensor_of_the_arena() -> None:
+    """``byte_spans``: the JPEGs of a batch from one front's arena are spans of one tensor of
+    the whole arena, made once and kept on it, zero-copy (the front's writes show through); an
+    inline JPEG gets a tensor of its own; after the connection closed, a tensor each again.
+    Compiled by TorchScript, the spans are the same bytes."""
+    arena = FrontArena(1 << 16)
+    view = ArenaView(arena.fd, arena.size)
+    try:
+        ext = arena.put([b"first", b"second!"])
+        assert ext is not None
+        first, second = view.images(ext.offset, [5, 7])
+        jobs = [
+            Job("a", None, jpeg=first, arena=view, arena_offset=ext.offset),
+            Job("b", None, jpeg=second, arena=view, arena_offset=ext.offset + 5),
+            Job("c", None, jpeg=b"inline"),
+        ]
+        spans = byte_spans(jobs)
+        assert len(spans.sources) == 2 and spans.which == [0, 0, 1]
+        assert spans.sources[0] is arena_tensor(view) is byte_spans(jobs[:1]).sources[0]
+        got = [bytes(t.numpy()) for t in spans.tensors()]
+        assert got == [b"first", b"second!", b"inline"]
+        compiled = torchscript(narrow_spans)(spans.sources, spans.which, spans.offsets, spans.sizes)
+        assert [bytes(t.numpy()) for t in compiled] == got
+        arena._map[ext.offset : ext.offset + 5] = b"FIRST"  # the front writes again
+        assert bytes(spans.tensors()[0].numpy()) == b"FIRST"  # a view, not a copy
+        view.close()
+        assert view.tensor is None
+        late = byte_spans(jobs[:1])
+        assert late.sources[0] is not spans.sources[0]  # a tensor of its own
+        assert bytes(late.tensors()[0].numpy()) == b"FIRST"
+        del spans, late, jobs, first, second
+    finally:
+        view.close()
+        arena.close()
+    whole = [torch.frombuffer(bytearray(b"xyz"), dtype=torch.uint8)] * 2
+    assert ByteSpans.of(whole) == ByteSpans(whole, [0, 1], [0, 0], [3, 3])
+
+
+def test_the_engines_tensor_of_an_arena_keeps_the_mapping_until_it_goes() -> None:
+    """A connection that ends while a batch still reads the arena's one tensor: the tensor
+    keeps the mapping; once it goes, nothing is left mapped."""
+    before = maps_of_arenas()
+    arena = FrontArena(1 << 16)
+    ext = arena.put([b"still here"])
+    assert ext is not None
+    view = ArenaView(arena.fd, arena.size)
+    whole = arena_tensor(view)
+    assert whole is not None
+    arena.close()
+    view.close()
+    assert view.tensor is None and arena_tensor(view) is None
+    assert maps_of_arenas() == before + 1
+    assert bytes(whole[ext.offset : ext.offset + 10].numpy()) == b"still here"
+    del whole
+    assert maps_of_arenas() == before
+
+
+class Capture:
+    """An engine client that records, for each image of an encode job, whether the GPU process
+    knows its place in an arena, and the bytes found there."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bytes | None, bytes]] = []
+
+    async def encode(self, images: Sequence[ImageIn], options: EncodeOptions) -> list[object]:
+        for img in images:
+            mapping = img.arena.whole() if img.arena is not None else None
+            at = (
+                bytes(mapping[img.arena_offset : img.arena_offset + len(img.data)])
+                if mapping is not None
+                else None
+            )
+            self.seen.append((img.arena is not None, at, bytes(img.data)))
+        return []
+
+    def discard(self, lease_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("arena_bytes", [1 << 16, 0])
+def test_the_gpu_process_knows_where_in_the_arena_each_image_lies(
+    tmp_path: Path, arena_bytes: int
+) -> None:
+    """A job through the arena gives each ImageIn the arena and the image's offset in it
+    (where ``byte_spans`` takes the bytes from); a job sent inline gives none."""
+    capture = Capture()
+
+    async def run() -> None:
+        server = JobServer(tmp_path / "s.jobs", capture, Admission(1 << 20, 1 << 50))  # type: ignore[arg-type]
+        await server.start()
+        client = JobClient(server.path, arena_bytes)
+        try:
+            images = [ImageIn("a", b"alpha"), ImageIn("b", b"beta!!"), ImageIn("c", b"c")]
+            await client.encode(images, EncodeOptions())
+            await client.encode([ImageIn("d", b"delta")], EncodeOptions())
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+    datas = [b"alpha", b"beta!!", b"c", b"delta"]
+    if arena_bytes:
+        assert capture.seen == [(True, d, d) for d in datas]
+    else:
+        assert capture.seen == [(False, None, d) for d in datas]

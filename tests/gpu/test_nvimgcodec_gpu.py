@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.gpu_decode import JpegDecoder, preprocess
+from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import inspect
 from app.main import create_app
 from app.settings import Settings
@@ -96,7 +96,7 @@ def test_nvimgcodec_one_call_is_decode_then_preprocess() -> None:
     assert dec is not None and dec._fused is not None
     datas = [frombytes(d) for d in photos()]
     orientations = [1, 6, 3]
-    got = dec.decode_preprocess(datas, orientations, 224)
+    got = dec.decode_preprocess(ByteSpans.of(datas), orientations, 224)
     decoded = dec.decode(datas)
     assert all(isinstance(x, torch.Tensor) for x in decoded)
     want = preprocess(cast(list[torch.Tensor], decoded), orientations, 224)

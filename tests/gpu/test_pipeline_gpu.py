@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.torch import load
 
-from app.gpu_decode import JpegDecoder, preprocess, resize_square
+from app.gpu_decode import ByteSpans, JpegDecoder, preprocess, resize_square
 from app.imaging import decode, inspect
 from app.main import create_app
 from app.settings import Settings
@@ -121,14 +121,14 @@ def test_one_call_decode_equals_decode_then_preprocess() -> None:
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
     orientations = [inspect(d, **LIMITS).orientation for d in datas]
     assert orientations == [1, 6, 3, 8]
-    got = dec.decode_preprocess(tensors, orientations, 224)
+    got = dec.decode_preprocess(ByteSpans.of(tensors), orientations, 224)
     decoded = dec.decode(tensors)
     assert all(isinstance(x, torch.Tensor) for x in decoded)
     want = preprocess([x for x in decoded if isinstance(x, torch.Tensor)], orientations, 224)
     assert got is not None and got.shape == (4, 3, 224, 224)
     assert torch.equal(got, want)
     bad = torch.frombuffer(bytearray(bogus_huffman(datas[0])), dtype=torch.uint8)
-    assert dec.decode_preprocess([tensors[1], bad], [1, 1], 224) is None
+    assert dec.decode_preprocess(ByteSpans.of([tensors[1], bad]), [1, 1], 224) is None
 
 
 @pytest.mark.parametrize("call", ["decode", "decode_preprocess"])
@@ -156,7 +156,7 @@ def test_nvjpeg_does_not_overwrite_memory_that_queued_work_still_reads(call: str
             if call == "decode":
                 assert all(isinstance(x, torch.Tensor) for x in dec.decode(datas))
             else:
-                assert dec.decode_preprocess(datas, [1] * 4, 224) is not None
+                assert dec.decode_preprocess(ByteSpans.of(datas), [1] * 4, 224) is not None
             torch.cuda.synchronize()
             wrong += sum(int(s) != 3 * 512 * 512 for s in sums)
     assert wrong == 0
