@@ -17,6 +17,7 @@ from PIL import Image, ImageOps
 
 from app.errors import ApiError
 from app.gpu_decode import (
+    ByteSpans,
     DecodeFn,
     FusedFn,
     JpegDecoder,
@@ -215,9 +216,9 @@ def in_one_call(decode: DecodeFn, calls: list[int]) -> FusedFn:
     as TorchScript compiles it."""
     scripted = scripted_preprocess()
 
-    def fused(datas: list[torch.Tensor], orientations: list[int], size: int) -> torch.Tensor:
-        calls.append(len(datas))
-        return scripted(decode(datas, torch.device("cpu")), orientations, size)
+    def fused(spans: ByteSpans, orientations: list[int], size: int) -> torch.Tensor:
+        calls.append(len(spans.which))
+        return scripted(decode(spans.tensors(), torch.device("cpu")), orientations, size)
 
     return fused
 
