@@ -133,6 +133,18 @@ class Job:
     pooled: bool = False  # publish the mean over tokens, [D], instead of [T, D]
     dtype: torch.dtype | None = None  # cast before publishing; None keeps the encoder's
 
+    @classmethod
+    def of_jpeg(cls, img: ImageIn, ttl_s: float | None, orientation: int) -> Job:
+        """A JPEG for nvJPEG, with where its bytes lie in a front's job arena, if they do."""
+        return cls(
+            img.label,
+            ttl_s,
+            jpeg=img.data,
+            orientation=orientation,
+            arena=img.arena,
+            arena_offset=img.arena_offset,
+        )
+
 
 def byte_tensor(data: ImageData) -> torch.Tensor:
     """A uint8 tensor of an image's bytes for the JPEG decoders: a view of a writable buffer
@@ -416,14 +428,7 @@ class Engine:
         size = None if is_dynamic(self.encoder) else cast(Encoder, self.encoder).image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
-            Job(
-                img.label,
-                ttl_s,
-                jpeg=img.data,
-                orientation=img.header.orientation,
-                arena=img.arena,
-                arena_offset=img.arena_offset,
-            )
+            Job.of_jpeg(img, ttl_s, img.header.orientation)
             if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
             else None
             for img in images
@@ -621,14 +626,7 @@ class Engine:
                 label=img.label,
             )
             if h.gpu_jpeg:
-                return Job(
-                    img.label,
-                    None,
-                    jpeg=img.data,
-                    orientation=h.orientation,
-                    arena=img.arena,
-                    arena_offset=img.arena_offset,
-                )
+                return Job.of_jpeg(img, None, h.orientation)
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
 
     def _decode(self, label: str, data: ImageData, size: int | None) -> torch.Tensor:

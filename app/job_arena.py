@@ -126,7 +126,7 @@ class ArenaView:
         Like the images' views it keeps the mapping alive while it lives (a view of the mmap
         itself would not: ``torch.frombuffer`` lets go of the buffer at once and keeps only a
         reference, and the mapping would be unmapped under the tensor)."""
-        return None if self._view is None else memoryview(self._map)
+        return None if self.closed else memoryview(self._map)
 
     def images(self, offset: object, sizes: Sequence[object]) -> list[memoryview]:
         """Views of images of ``sizes`` bytes stored back to back from ``offset`` (image i's

@@ -452,21 +452,15 @@ class JobServer:
         c, op = self._client, h.get("op")
         if op == "encode":
             digests = _digests(h.get("digests"), len(datas))
-            # Where each view starts in the arena (_image_data checked the ranges), else None
+            # Arena images lie back to back from arena_offset (_image_data checked the ranges)
             at = h.get("arena_offset") if arena is not None else None
             images = []
             for (label, _, head), data, digest in zip(h["images"], datas, digests, strict=True):
-                images.append(
-                    ImageIn(
-                        str(label),
-                        data,
-                        Header(**head) if head else None,
-                        digest,
-                        arena if at is not None else None,
-                        at or 0,
-                    )
-                )
-                if at is not None:
+                header = Header(**head) if head else None
+                if at is None:  # sent inline
+                    images.append(ImageIn(str(label), data, header, digest))
+                else:
+                    images.append(ImageIn(str(label), data, header, digest, arena, at))
                     at += len(data)
             # The fronts' permits bound each front; this one bounds them all together.
             decoded = sum(i.header.decoded_bytes for i in images if i.header is not None)
