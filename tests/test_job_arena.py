@@ -7,7 +7,7 @@ import asyncio
 import fcntl
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,18 @@ from app.engine_client import EncodeOptions, ImageIn
 from app.gpu_decode import ByteSpans, narrow_spans, torchscript
 from app.job_arena import ArenaError, ArenaView, FrontArena
 from app.jobs import JobClient, JobServer
+
+
+@pytest.fixture
+def mapped() -> Iterator[tuple[FrontArena, ArenaView]]:
+    """A front's arena of 64 KiB and the GPU process's mapping of it, both closed after."""
+    arena = FrontArena(1 << 16)
+    view = ArenaView(arena.fd, arena.size)
+    try:
+        yield arena, view
+    finally:
+        view.close()
+        arena.close()
 
 
 def test_ranges_are_freed_and_reused_and_a_full_arena_says_so() -> None:
@@ -38,30 +50,25 @@ def test_ranges_are_freed_and_reused_and_a_full_arena_says_so() -> None:
     assert arena.put([b"late"]) is None  # a closed arena takes nothing
 
 
-def test_the_gpu_side_sees_the_fronts_bytes_without_a_copy() -> None:
-    arena = FrontArena(1 << 16)
-    view = ArenaView(arena.fd, arena.size)
-    try:
-        ext = arena.put([b"\xff\xd8\xffhello", b"world"])
-        assert ext is not None
-        first, second = view.images(ext.offset, [8, 5])
-        assert (bytes(first), bytes(second)) == (b"\xff\xd8\xffhello", b"world")
-        assert first[:3] == b"\xff\xd8\xff"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # torch warns on a read-only buffer
-            t = byte_tensor(second)
-        arena._map[ext.offset + 8 : ext.offset + 13] = b"WORLD"  # the front writes again
-        assert bytes(t.numpy()) == b"WORLD"  # the tensor is a view, not a copy
-        # An upload's bytes (immutable) are copied: the decoders get a writable buffer.
-        data = b"abc"
-        copied = byte_tensor(data)
-        copied[0] = ord("z")
-        assert data == b"abc" and torch.equal(
-            copied, torch.tensor([122, 98, 99], dtype=torch.uint8)
-        )
-    finally:
-        view.close()
-        arena.close()
+def test_the_gpu_side_sees_the_fronts_bytes_without_a_copy(
+    mapped: tuple[FrontArena, ArenaView],
+) -> None:
+    arena, view = mapped
+    ext = arena.put([b"\xff\xd8\xffhello", b"world"])
+    assert ext is not None
+    first, second = view.images(ext.offset, [8, 5])
+    assert (bytes(first), bytes(second)) == (b"\xff\xd8\xffhello", b"world")
+    assert first[:3] == b"\xff\xd8\xff"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on a read-only buffer
+        t = byte_tensor(second)
+    arena._map[ext.offset + 8 : ext.offset + 13] = b"WORLD"  # the front writes again
+    assert bytes(t.numpy()) == b"WORLD"  # the tensor is a view, not a copy
+    # An upload's bytes (immutable) are copied: the decoders get a writable buffer.
+    data = b"abc"
+    copied = byte_tensor(data)
+    copied[0] = ord("z")
+    assert data == b"abc" and torch.equal(copied, torch.tensor([122, 98, 99], dtype=torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -78,16 +85,13 @@ def test_the_gpu_side_sees_the_fronts_bytes_without_a_copy() -> None:
         (0, [60000, 6000]),  # the second image past the end
     ],
 )
-def test_ranges_outside_the_arena_are_refused(offset: object, sizes: list[object]) -> None:
-    arena = FrontArena(65536)
-    view = ArenaView(arena.fd, arena.size)
-    try:
-        with pytest.raises(ArenaError):
-            view.images(offset, sizes)
-        assert len(view.images(65536 - 10, [10])[0]) == 10  # the last byte is in range
-    finally:
-        view.close()
-        arena.close()
+def test_ranges_outside_the_arena_are_refused(
+    mapped: tuple[FrontArena, ArenaView], offset: object, sizes: list[object]
+) -> None:
+    _, view = mapped
+    with pytest.raises(ArenaError):
+        view.images(offset, sizes)
+    assert len(view.images(65536 - 10, [10])[0]) == 10  # the last byte is in range
 
 
 def test_only_a_memfd_sealed_against_shrinking_is_mapped() -> None:
@@ -157,7 +161,6 @@ def test_every_fd_a_hello_brings_is_closed(hello: dict[str, object], why: str | 
     """The GPU process keeps no FD a front sends with its hello, accepted or refused: a front
     (or anything that reaches the job socket) cannot pile FDs up in it. The mapping of an
     accepted arena holds a descriptor of its own until the view is closed."""
-    import asyncio
     import json
     import socket
 
@@ -184,40 +187,36 @@ def test_every_fd_a_hello_brings_is_closed(hello: dict[str, object], why: str | 
         arena.close()
 
 
-def test_a_batch_of_arena_jpegs_is_spans_of_one_tensor_of_the_arena() -> None:
+def test_a_batch_of_arena_jpegs_is_spans_of_one_tensor_of_the_arena(
+    mapped: tuple[FrontArena, ArenaView],
+) -> None:
     """``byte_spans``: the JPEGs of a batch from one front's arena are spans of one tensor of
     the whole arena, made once and kept on it, zero-copy (the front's writes show through); an
     inline JPEG gets a tensor of its own; after the connection closed, a tensor each again.
     Compiled by TorchScript, the spans are the same bytes."""
-    arena = FrontArena(1 << 16)
-    view = ArenaView(arena.fd, arena.size)
-    try:
-        ext = arena.put([b"first", b"second!"])
-        assert ext is not None
-        first, second = view.images(ext.offset, [5, 7])
-        jobs = [
-            Job("a", None, jpeg=first, arena=view, arena_offset=ext.offset),
-            Job("b", None, jpeg=second, arena=view, arena_offset=ext.offset + 5),
-            Job("c", None, jpeg=b"inline"),
-        ]
-        spans = byte_spans(jobs)
-        assert len(spans.sources) == 2 and spans.which == [0, 0, 1]
-        assert spans.sources[0] is arena_tensor(view) is byte_spans(jobs[:1]).sources[0]
-        got = [bytes(t.numpy()) for t in spans.tensors()]
-        assert got == [b"first", b"second!", b"inline"]
-        compiled = torchscript(narrow_spans)(spans.sources, spans.which, spans.offsets, spans.sizes)
-        assert [bytes(t.numpy()) for t in compiled] == got
-        arena._map[ext.offset : ext.offset + 5] = b"FIRST"  # the front writes again
-        assert bytes(spans.tensors()[0].numpy()) == b"FIRST"  # a view, not a copy
-        view.close()
-        assert view.tensor is None
-        late = byte_spans(jobs[:1])
-        assert late.sources[0] is not spans.sources[0]  # a tensor of its own
-        assert bytes(late.tensors()[0].numpy()) == b"FIRST"
-        del spans, late, jobs, first, second
-    finally:
-        view.close()
-        arena.close()
+    arena, view = mapped
+    ext = arena.put([b"first", b"second!"])
+    assert ext is not None
+    first, second = view.images(ext.offset, [5, 7])
+    jobs = [
+        Job("a", None, jpeg=first, arena=view, arena_offset=ext.offset),
+        Job("b", None, jpeg=second, arena=view, arena_offset=ext.offset + 5),
+        Job("c", None, jpeg=b"inline"),
+    ]
+    spans = byte_spans(jobs)
+    assert len(spans.sources) == 2 and spans.which == [0, 0, 1]
+    assert spans.sources[0] is arena_tensor(view) is byte_spans(jobs[:1]).sources[0]
+    got = [bytes(t.numpy()) for t in spans.tensors()]
+    assert got == [b"first", b"second!", b"inline"]
+    compiled = torchscript(narrow_spans)(spans.sources, spans.which, spans.offsets, spans.sizes)
+    assert [bytes(t.numpy()) for t in compiled] == got
+    arena._map[ext.offset : ext.offset + 5] = b"FIRST"  # the front writes again
+    assert bytes(spans.tensors()[0].numpy()) == b"FIRST"  # a view, not a copy
+    view.close()
+    assert view.tensor is None
+    late = byte_spans(jobs[:1])
+    assert late.sources[0] is not spans.sources[0]  # a tensor of its own
+    assert bytes(late.tensors()[0].numpy()) == b"FIRST"
     whole = [torch.frombuffer(bytearray(b"xyz"), dtype=torch.uint8)] * 2
     assert ByteSpans.of(whole) == ByteSpans(whole, [0, 1], [0, 0], [3, 3])
 
