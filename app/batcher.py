@@ -1,5 +1,6 @@
 """Dynamic batching: one owner of a bounded queue; a batch closes when it is full or when its
-first item has waited ``max_wait_s``. The next batch is gathered while the previous one runs.
+first item has waited ``max_wait_s``. A batch is gathered only once its first stage has a
+thread free to take it (with a prepare stage: while the previous batch runs its second stage).
 
 Admission is all-or-nothing per request: a request of n images is queued only if n places are
 free, otherwise it is turned away at once (429) instead of queueing without bound. Items whose
@@ -96,7 +97,13 @@ class Batcher(Generic[T, R]):
             raise ValueError("prepare_threads must be at least 1")
         self._prepare = prepare
         self.prepare_threads = prepare_threads
-        self._prep_turn = asyncio.Semaphore(prepare_threads)
+        # The first stage's threads free to take a batch (the prepare threads, or the batch
+        # thread). A batch is gathered only once one is: a batch closed while they were all
+        # busy waited there, complete, while the requests that came meanwhile waited for the
+        # batch after it. With the GPU's decode the slower stage, that left the prepare thread
+        # idle ~20 % of the time at one image per request, c=256 (docs/benchmarks.md,
+        # "Eighteenth session").
+        self._first_stage = asyncio.Semaphore(prepare_threads if prepare is not None else 1)
         self._prep_executor = ThreadPoolExecutor(
             prepare_threads, thread_name_prefix="featpool-prepare"
         )
@@ -177,8 +184,14 @@ class Batcher(Generic[T, R]):
         while True:
             await self._slots.acquire()
             try:
+                await self._first_stage.acquire()
+            except BaseException:
+                self._slots.release()
+                raise
+            try:
                 batch = await self._gather()
             except BaseException:
+                self._first_stage.release()
                 self._slots.release()
                 raise
             loop = asyncio.get_running_loop()
@@ -203,20 +216,21 @@ class Batcher(Generic[T, R]):
         return batch
 
     async def _run(self, batch: list[_Item[T, R]], place: _Place) -> None:
+        """Runs with the first stage's turn taken (by ``_loop``): released by ``_run_live``
+        with a prepare stage, here without one."""
         try:
-            # With a prepare stage, the turns are taken in _run_live and _run_items instead.
+            # With a prepare stage, the batch thread's turn is taken in _run_items instead.
             async with self._turn if self._prepare is None else contextlib.nullcontext():
                 await self._run_live(batch, place)
         finally:
+            if self._prepare is None:
+                self._first_stage.release()
             place.taken()  # (a batch skipped, failed or run without a prepare stage)
             self._slots.release()
 
     async def _run_live(self, batch: list[_Item[T, R]], place: _Place) -> None:
-        first = self._prep_turn if self._prepare is not None else None
-        if first is not None:
-            await first.acquire()
-        # Looked at when a (prepare) thread is free, so a request cancelled while its batch
-        # waited for the previous one is skipped, not run.
+        first = self._first_stage if self._prepare is not None else None
+        # A request cancelled while its batch was gathered is skipped, not run.
         live = [i for i in batch if not i.future.done()]
         if not live:
             if first is not None:

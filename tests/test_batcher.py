@@ -86,13 +86,10 @@ def test_full_queue_turns_a_request_away_whole() -> None:
         fake.gate.clear()
         first = asyncio.ensure_future(b.submit([0]))
         await asyncio.to_thread(fake.started.wait, 5)  # the batch thread holds [0]
-        # the next batch is gathered while the first runs; then the queue fills
+        # no batch is gathered while the batch thread is busy: the queue fills
         waiting = [asyncio.ensure_future(b.submit([1, 2, 3, 4]))]
         await asyncio.sleep(0.1)
-        waiting += [
-            asyncio.ensure_future(b.submit([5, 6, 7, 8])),
-            asyncio.ensure_future(b.submit([9, 10, 11])),
-        ]
+        waiting.append(asyncio.ensure_future(b.submit([5, 6, 7])))
         await asyncio.sleep(0)
         assert b.depth == 7
         with pytest.raises(ApiError) as e:
@@ -217,6 +214,43 @@ def test_prepare_stage_runs_the_next_batch_beside_the_current_one() -> None:
 
     assert asyncio.run(main()) == [[10, 20], [30, 40]]
     assert prepared == [[1, 2], [3, 4]] and ran == [[1, 2], [3, 4]]
+
+
+def test_a_batch_is_gathered_when_the_prepare_thread_can_take_it() -> None:
+    """While the prepare thread is busy, no batch is closed: the requests that come meanwhile,
+    each past ``max_wait_s``, are gathered into one batch when it is free. (A batch closed at
+    once would hold only the first of them and wait, complete, for the prepare thread, while
+    the others waited for the batch after it.)"""
+    prepared: list[list[int]] = []
+    held = threading.Event()
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        prepared.append(list(values))
+        if values[0] == 1:
+            assert held.wait(5)
+        return lambda: list(values)
+
+    async def main() -> list[list[int]]:
+        b: Batcher[int, int] = Batcher(
+            list, max_batch_size=8, max_wait_s=0.01, queue_size=64, prepare=prepare
+        )
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit([1, 2]))
+            while not prepared:  # batch 1 is being prepared, held
+                await asyncio.sleep(0.005)
+            later = [asyncio.ensure_future(b.submit([3]))]
+            await asyncio.sleep(0.05)  # five times max_wait_s
+            later.append(asyncio.ensure_future(b.submit([4, 5])))
+            await asyncio.sleep(0.05)
+            assert b.depth == 3
+            held.set()
+            return [await first, *[await f for f in later]]
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == [[1, 2], [3], [4, 5]]
+    assert prepared == [[1, 2], [3, 4, 5]]
 
 
 def test_two_prepare_threads_prepare_two_batches_at_once_and_run_them_in_order() -> None:
