@@ -1,6 +1,12 @@
-"""Dynamic batching: one owner of a bounded queue; a batch closes when it is full or when its
-first item has waited ``max_wait_s``. A batch is gathered only once its first stage has a
-thread free to take it (with a prepare stage: while the previous batch runs its second stage).
+"""Dynamic batching: a bounded queue, and a first stage that takes a batch from it when it has
+a thread free: the batch closes when it is full or when its first item has waited
+``max_wait_s``. With a prepare stage (the engine's decode) the first stage prepares batch N+1 on
+its own thread while the batch thread runs batch N's second stage.
+
+The first stage's threads take their batches from the queue themselves, without a turn of the
+event loop between one batch and the next: behind a busy event loop each turn waits for the
+jobs ahead of it, and the hand-off from one prepared batch to the next took three of them
+(docs/benchmarks.md, "Eighteenth session").
 
 Admission is all-or-nothing per request: a request of n images is queued only if n places are
 free, otherwise it is turned away at once (429) instead of queueing without bound. Items whose
@@ -11,13 +17,14 @@ the leases they hold are released, not leaked). A failing batch fails only its o
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from app.errors import RETRY_AFTER, ApiError
 
@@ -33,22 +40,12 @@ class _Item(Generic[T, R]):
     value: T
     future: asyncio.Future[R]
     enqueued: float = field(default_factory=time.perf_counter)
-    # Set while its batch runs, then done: a failed request waits for its running items, so
-    # that when it answers, what they made has already been discarded.
-    running: asyncio.Event | None = None
-
-
-@dataclass
-class _Place:
-    """A batch's place in the batch thread's order: its turn comes once the batch gathered
-    before it has taken its own (``after``); ``mine`` says the same to the batch after it."""
-
-    after: asyncio.Future[None] | None
-    mine: asyncio.Future[None]
-
-    def taken(self) -> None:
-        if not self.mine.done():
-            self.mine.set_result(None)
+    # Set under the batcher's lock when a first-stage thread takes the item into a batch; a
+    # failed request waits for its taken items' batch to be over (``ended``), so that when it
+    # answers, what they made has already been discarded.
+    taken: bool = False
+    over: bool = False
+    ended: asyncio.Future[None] | None = None
 
 
 @dataclass
@@ -59,6 +56,20 @@ class BatchStats:
     # Time in each stage's own thread: "prepare" (with a prepare stage) and "run". The slower
     # stage's time per batch is the pipeline's cycle.
     stages: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Taken(Generic[T, R]):
+    """A batch as a first-stage thread took it, and what the stage made of it: the second
+    stage (with a prepare stage), the results (without), or the error."""
+
+    seq: int
+    batch: list[_Item[T, R]]
+    live: list[_Item[T, R]]
+    started: float
+    stages: dict[str, float] = field(default_factory=dict)
+    out: Any = None
+    error: Exception | None = None
 
 
 def _timed(fn: Callable[..., V], stages: dict[str, float], stage: str) -> Callable[..., V]:
@@ -92,205 +103,221 @@ class Batcher(Generic[T, R]):
         # An optional first stage (the engine's decode), on threads of its own: batch N+1 (and
         # with more prepare threads, N+2...) is prepared while batch N runs. It returns the
         # second stage, which then runs in place of run_batch on the batch thread, batches in
-        # the order they were gathered (dropped, with what it holds, if the batch is not run).
+        # the order they were taken (dropped, with what it holds, if the batch is not run).
+        # Without it, the first stage is run_batch itself, on one thread.
         if prepare_threads < 1:
             raise ValueError("prepare_threads must be at least 1")
         self._prepare = prepare
         self.prepare_threads = prepare_threads
-        # The first stage's threads free to take a batch (the prepare threads, or the batch
-        # thread). A batch is gathered only once one is: a batch closed while they were all
-        # busy waited there, complete, while the requests that came meanwhile waited for the
-        # batch after it. With the GPU's decode the slower stage, that left the prepare thread
-        # idle ~20 % of the time at one image per request, c=256 (docs/benchmarks.md,
-        # "Eighteenth session").
-        self._first_stage = asyncio.Semaphore(prepare_threads if prepare is not None else 1)
-        self._prep_executor = ThreadPoolExecutor(
-            prepare_threads, thread_name_prefix="featpool-prepare"
-        )
-        # The previous batch's place in the batch thread's order: done once it has its turn.
-        self._order: asyncio.Future[None] | None = None
-        if in_flight is None:  # one batch running, one being prepared per prepare thread
-            in_flight = 1 + (prepare_threads if prepare is not None else 1)
+        if in_flight is None:
+            # One batch running; with a prepare stage, also one prepared and waiting for the
+            # batch thread, and one being prepared per prepare thread. (The batch that waits
+            # keeps the prepare thread from waiting for the event loop to finish the running
+            # one: busy 88 -> 95 % of the time behind a busy loop, in the CPU model of
+            # docs/benchmarks.md, "Eighteenth session".)
+            in_flight = 2 + prepare_threads if prepare is not None else 2
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.queue_size = queue_size
         self._discard = discard
         self._on_batch = on_batch
-        self._queue: asyncio.Queue[_Item[T, R]] = asyncio.Queue()
-        self._full = asyncio.Event()  # set by submit once a whole batch is queued
-        self._slots = asyncio.Semaphore(in_flight)  # batches gathered but not yet finished
-        self._turn = asyncio.Lock()  # batches run one after another, in order
-        # One thread runs batches, in order: the encoder and its CUDA stream are not shared.
+        # The queue, shared by the event loop (submit) and the first stage's threads (take).
+        self._items: collections.deque[_Item[T, R]] = collections.deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._taken = 0  # batches taken so far: the next one's place in the batch thread's order
+        self._stopping = False
+        self._slots = threading.Semaphore(in_flight)  # batches taken but not yet finished
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The second stage: one thread runs batches, in order (the encoder and its CUDA stream
+        # are not shared). A batch's turn comes once the batch taken before it has had its own.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-batch")
-        self._task: asyncio.Task[None] | None = None
+        self._batch_thread = asyncio.Lock()  # held while a batch's second stage runs
+        self._turn_floor = -1  # every batch up to this one has had its turn
+        self._turns_done: set[int] = set()  # and these, past it
+        self._turn_waits: dict[int, asyncio.Future[None]] = {}
         self._running: set[asyncio.Task[None]] = set()
 
     @property
     def depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._items)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+        self._loop = asyncio.get_running_loop()
+        threads = self.prepare_threads if self._prepare is not None else 1
+        name = "featpool-prepare" if self._prepare is not None else "featpool-batch-first"
+        for n in range(threads):
+            # Daemon threads: one waiting for work must not hold up the interpreter's exit.
+            t = threading.Thread(target=self._first_stage, name=f"{name}_{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for t in self._threads:
+            await asyncio.to_thread(t.join)
+        self._threads = []
+        await asyncio.sleep(0)  # the batches the threads handed over last get their tasks
+        with self._cv:
+            queued, self._items = list(self._items), collections.deque()
+        for item in queued:
             if not item.future.done():
                 item.future.set_exception(ApiError("not_ready", "the service is shutting down"))
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
         self._executor.shutdown(wait=True)
-        self._prep_executor.shutdown(wait=True)
 
     async def submit(self, values: Sequence[T]) -> list[R]:
         """Queue all values (or none: 429) and wait for their results, in order."""
-        if self._task is None or self._task.done():
+        if not self._threads or self._stopping:
             raise ApiError("not_ready", "the encoder is not running")
-        if self._queue.qsize() + len(values) > self.queue_size:
-            raise ApiError(
-                "queue_full",
-                f"{self._queue.qsize()} images are queued (limit {self.queue_size})",
-                headers=RETRY_AFTER,
-            )
         loop = asyncio.get_running_loop()
         items = [_Item[T, R](v, loop.create_future()) for v in values]
-        for item in items:
-            self._queue.put_nowait(item)
-        if self._queue.qsize() >= self.max_batch_size - 1:  # with the one _gather holds
-            self._full.set()
+        with self._cv:
+            if len(self._items) + len(values) > self.queue_size:
+                raise ApiError(
+                    "queue_full",
+                    f"{len(self._items)} images are queued (limit {self.queue_size})",
+                    headers=RETRY_AFTER,
+                )
+            was = len(self._items)
+            self._items.extend(items)
+            if was == 0 or len(self._items) >= self.max_batch_size:
+                self._cv.notify()  # a first batch item to time, or a full batch to take
         try:
             if len(items) == 1:
                 return [await items[0].future]
             return list(await asyncio.gather(*(i.future for i in items)))
         except BaseException as e:
-            for i in items:  # our other items: drop them if still queued, discard if done
-                if not i.future.done():
-                    i.future.cancel()
-                elif not i.future.cancelled() and i.future.exception() is None:
+            with self._cv:  # (under the lock: a thread takes items, and marks them, under it)
+                for i in items:  # skipped if still queued; if taken, discarded when done
+                    if not i.future.done():
+                        i.future.cancel()
+                running = [i for i in items if i.taken and not i.over]
+            for i in items:  # what is done already is discarded now
+                if not i.future.cancelled() and i.future.exception() is None:
                     self._discard(i.future.result())
-            if not isinstance(e, asyncio.CancelledError):
-                running = [i.running.wait() for i in items if i.running is not None]
-                if running:  # their results are discarded as their batch ends
-                    await asyncio.gather(*running)
+            if running and not isinstance(e, asyncio.CancelledError):
+                for i in running:  # their results are discarded as their batch ends
+                    i.ended = loop.create_future()
+                await asyncio.gather(*(i.ended for i in running if i.ended is not None))
             raise
 
-    async def _loop(self) -> None:
+    # ---- the first stage, on its own threads -------------------------------------------------
+
+    def _take(self) -> _Taken[T, R] | None:
+        """The next batch from the queue, once full or once its first item has waited
+        ``max_wait_s``; None when stopping."""
+        with self._cv:
+            while True:
+                if self._stopping:
+                    return None
+                if self._items:
+                    left = self._items[0].enqueued + self.max_wait_s - time.perf_counter()
+                    if left <= 0 or len(self._items) >= self.max_batch_size:
+                        break
+                    self._cv.wait(left)
+                else:
+                    self._cv.wait()
+            n = min(len(self._items), self.max_batch_size)
+            batch = [self._items.popleft() for _ in range(n)]
+            # A request cancelled while its items were queued is skipped, not run.
+            live = [i for i in batch if not i.future.done()]
+            for i in live:
+                i.taken = True
+            seq, self._taken = self._taken, self._taken + 1
+        return _Taken(seq, batch, live, time.perf_counter())
+
+    def _first_stage(self) -> None:
+        loop = self._loop
+        assert loop is not None
         while True:
-            await self._slots.acquire()
-            try:
-                await self._first_stage.acquire()
-            except BaseException:
+            while not self._slots.acquire(timeout=0.1):
+                if self._stopping:
+                    return
+            taken = self._take()
+            if taken is None:
                 self._slots.release()
-                raise
+                return
+            if taken.live:
+                values = [i.value for i in taken.live]
+                try:
+                    if self._prepare is not None:
+                        taken.out = _timed(self._prepare, taken.stages, "prepare")(values)
+                    else:
+                        taken.out = _timed(self._run_batch, taken.stages, "run")(values)
+                except Exception as e:
+                    taken.error = e
             try:
-                batch = await self._gather()
-            except BaseException:
-                self._first_stage.release()
+                loop.call_soon_threadsafe(self._taken_over, taken)
+            except RuntimeError:  # the loop is closed: nobody waits for this batch any more
                 self._slots.release()
-                raise
-            loop = asyncio.get_running_loop()
-            place = _Place(self._order, loop.create_future())
-            self._order = place.mine
-            task = loop.create_task(self._run(batch, place))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+                return
 
-    async def _gather(self) -> list[_Item[T, R]]:
-        first = await self._queue.get()
-        # Sleep until the batch is full or its first item has waited long enough: one wake-up
-        # per batch (waking for each item as it came cost the event loop a turn per image).
-        self._full.clear()
-        timeout = first.enqueued + self.max_wait_s - time.perf_counter()
-        if timeout > 0 and self._queue.qsize() < self.max_batch_size - 1:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._full.wait(), timeout)
-        batch = [first]
-        while len(batch) < self.max_batch_size and not self._queue.empty():
-            batch.append(self._queue.get_nowait())
-        return batch
+    # ---- the second stage and the results, on the event loop ---------------------------------
 
-    async def _run(self, batch: list[_Item[T, R]], place: _Place) -> None:
-        """Runs with the first stage's turn taken (by ``_loop``): released by ``_run_live``
-        with a prepare stage, here without one."""
+    def _taken_over(self, taken: _Taken[T, R]) -> None:
+        task = asyncio.get_running_loop().create_task(self._finish(taken))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _turn_of(self, seq: int) -> None:
+        """Until batch ``seq`` has had its turn on the batch thread (or gave it up)."""
+        if seq <= self._turn_floor or seq in self._turns_done:
+            return
+        wait = self._turn_waits.get(seq)
+        if wait is None:
+            wait = self._turn_waits[seq] = asyncio.get_running_loop().create_future()
+        await wait
+
+    def _turn_taken(self, seq: int) -> None:
+        if seq <= self._turn_floor or seq in self._turns_done:
+            return
+        self._turns_done.add(seq)
+        while self._turn_floor + 1 in self._turns_done:
+            self._turn_floor += 1
+            self._turns_done.discard(self._turn_floor)
+        wait = self._turn_waits.pop(seq, None)
+        if wait is not None:
+            wait.set_result(None)
+
+    async def _finish(self, taken: _Taken[T, R]) -> None:
         try:
-            # With a prepare stage, the batch thread's turn is taken in _run_items instead.
-            async with self._turn if self._prepare is None else contextlib.nullcontext():
-                await self._run_live(batch, place)
+            await self._results(taken)
         finally:
-            if self._prepare is None:
-                self._first_stage.release()
-            place.taken()  # (a batch skipped, failed or run without a prepare stage)
+            self._turn_taken(taken.seq)  # (a batch skipped, failed or run without a prepare stage)
+            for i in taken.live:
+                i.over = True
+                if i.ended is not None and not i.ended.done():
+                    i.ended.set_result(None)
             self._slots.release()
 
-    async def _run_live(self, batch: list[_Item[T, R]], place: _Place) -> None:
-        first = self._first_stage if self._prepare is not None else None
-        # A request cancelled while its batch was gathered is skipped, not run.
-        live = [i for i in batch if not i.future.done()]
+    async def _results(self, taken: _Taken[T, R]) -> None:
+        batch, live, stages = taken.batch, taken.live, taken.stages
         if not live:
-            if first is not None:
-                first.release()
             self._on_batch(BatchStats(0, [], len(batch)))
             return
-        for i in live:
-            i.running = asyncio.Event()
+        waits = [taken.started - i.enqueued for i in live]
         try:
-            await self._run_items(batch, live, first, place)
-        finally:
-            for i in live:
-                assert i.running is not None
-                i.running.set()
-
-    @contextlib.asynccontextmanager
-    async def _batch_turn(self, place: _Place) -> AsyncIterator[None]:
-        """The batch thread's turn, taken after the batch gathered before this one took its
-        own: a batch prepared sooner on another prepare thread waits for it."""
-        if place.after is not None:
-            await place.after
-        async with self._turn:
-            place.taken()
-            yield
-
-    async def _run_items(
-        self,
-        batch: list[_Item[T, R]],
-        live: list[_Item[T, R]],
-        first: asyncio.Semaphore | None,
-        place: _Place,
-    ) -> None:
-        started = time.perf_counter()
-        waits = [started - i.enqueued for i in live]
-        loop = asyncio.get_running_loop()
-        values = [i.value for i in live]
-        stages: dict[str, float] = {}
-        try:
-            if first is not None:  # stage one on its thread, then stage two, each in order
-                prepare = self._prepare
-                assert prepare is not None
-                try:
-                    second = await loop.run_in_executor(
-                        self._prep_executor, _timed(prepare, stages, "prepare"), values
-                    )
-                finally:
-                    first.release()
-                async with self._batch_turn(place):
+            if taken.error is not None:
+                raise taken.error
+            if self._prepare is None:
+                results: Sequence[R | BaseException] = taken.out
+            else:
+                await self._turn_of(taken.seq - 1)  # the batch taken before this one goes first
+                async with self._batch_thread:
+                    self._turn_taken(taken.seq)
                     if all(i.future.done() for i in live):
                         # Every requester went away while the batch was prepared or waited
                         # for the batch thread: its second stage (the forward) is not run.
                         self._on_batch(BatchStats(0, [], len(batch), stages))
                         return
-                    results: Sequence[R | BaseException] = await loop.run_in_executor(
-                        self._executor, _timed(second, stages, "run")
+                    loop = asyncio.get_running_loop()
+                    results = await loop.run_in_executor(
+                        self._executor, _timed(taken.out, stages, "run")
                     )
-            else:
-                results = await loop.run_in_executor(
-                    self._executor, _timed(self._run_batch, stages, "run"), values
-                )
             if len(results) != len(live):
                 raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
         except Exception as e:

@@ -253,6 +253,51 @@ def test_a_batch_is_gathered_when_the_prepare_thread_can_take_it() -> None:
     assert prepared == [[1, 2], [3, 4, 5]]
 
 
+def test_a_failed_request_answers_after_its_batch_in_preparation_is_discarded() -> None:
+    """A request's images in two batches: the first batch fails one of them while the second
+    batch, holding another, is still being prepared. The request fails only once that batch
+    is over (its forward then not run: nobody waits for it), and whatever was made for the
+    request is discarded, not left to leak."""
+    held, six_taken = threading.Event(), threading.Event()
+    discarded: list[int] = []
+    made: list[int] = []
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        if 6 in values:
+            six_taken.set()
+            assert held.wait(5)
+
+        def run() -> list[int | BaseException]:
+            assert six_taken.wait(5)  # the first batch fails once the second is being prepared
+            made.extend(v * 2 for v in values if v >= 0)
+            return [ValueError("bad") if v < 0 else v * 2 for v in values]
+
+        return run
+
+    async def main() -> None:
+        b: Batcher[int, int] = Batcher(
+            list,
+            max_batch_size=2,
+            max_wait_s=0,
+            queue_size=64,
+            prepare=prepare,
+            discard=discarded.append,
+        )
+        b.start()
+        try:
+            request = asyncio.ensure_future(b.submit([-1, 5, 6]))
+            await asyncio.sleep(0.1)  # [-1, 5] failed; [6] is held in its prepare stage
+            assert not request.done() and discarded == [10]
+            held.set()
+            with pytest.raises(ValueError):
+                await request
+            assert made == discarded == [10]
+        finally:
+            await b.stop()
+
+    asyncio.run(main())
+
+
 def test_two_prepare_threads_prepare_two_batches_at_once_and_run_them_in_order() -> None:
     """With ``prepare_threads=2`` two batches are prepared at the same time (each prepare
     waits for the other at a barrier: with one thread it would time out), and although batch
