@@ -223,6 +223,8 @@ class Batcher(Generic[T, R]):
                     self._cv.wait()
             n = min(len(self._items), self.max_batch_size)
             batch = [self._items.popleft() for _ in range(n)]
+            if self._items:  # another thread, if one waits, times what is left
+                self._cv.notify()
             # A request cancelled while its items were queued is skipped, not run.
             live = [i for i in batch if not i.future.done()]
             for i in live:

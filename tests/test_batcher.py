@@ -329,6 +329,37 @@ def test_two_prepare_threads_prepare_two_batches_at_once_and_run_them_in_order()
     assert ran == [[1, 2], [3, 4]]
 
 
+def test_what_one_prepare_thread_leaves_in_the_queue_the_other_takes() -> None:
+    """Two idle prepare threads and three items at once, batches of two: the first thread
+    takes two and is held in its prepare stage; the other takes the third once it has waited
+    max_wait_s, without waiting for more items or for the first thread."""
+    held = threading.Event()
+    prepared: list[list[int]] = []
+
+    def prepare(values: list[int]) -> Callable[[], list[int | BaseException]]:
+        prepared.append(list(values))
+        if 1 in values:
+            assert held.wait(5)
+        return lambda: list(values)
+
+    async def main() -> None:
+        b = piped(list, prepare, prepare_threads=2)
+        try:
+            request = asyncio.ensure_future(b.submit([1, 2, 3]))
+            for _ in range(100):
+                if len(prepared) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert prepared == [[1, 2], [3]] and not request.done()
+            held.set()
+            assert await request == [1, 2, 3]
+        finally:
+            held.set()
+            await b.stop()
+
+    asyncio.run(main())
+
+
 def test_a_batch_given_up_while_prepared_does_not_hold_up_the_next() -> None:
     """Two prepare threads; batch 1's requester goes away while it is prepared (and its
     forward is never run): batch 2, waiting for batch 1's turn, runs all the same."""
