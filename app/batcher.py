@@ -40,12 +40,10 @@ class _Item(Generic[T, R]):
     value: T
     future: asyncio.Future[R]
     enqueued: float = field(default_factory=time.perf_counter)
-    # Set under the batcher's lock when a first-stage thread takes the item into a batch; a
-    # failed request waits for its taken items' batch to be over (``ended``), so that when it
-    # answers, what they made has already been discarded.
-    taken: bool = False
-    over: bool = False
-    ended: asyncio.Future[None] | None = None
+    # The batch that a first-stage thread took the item into (set under the batcher's lock):
+    # set on the event loop once that batch is over. A failed request waits for it, so that
+    # when it answers, what its taken items made has already been discarded.
+    batch_over: asyncio.Event | None = None
 
 
 @dataclass
@@ -67,6 +65,7 @@ class _Taken(Generic[T, R]):
     batch: list[_Item[T, R]]
     live: list[_Item[T, R]]
     started: float
+    over: asyncio.Event
     stages: dict[str, float] = field(default_factory=dict)
     out: Any = None
     error: Exception | None = None
@@ -132,10 +131,11 @@ class Batcher(Generic[T, R]):
         # The second stage: one thread runs batches, in order (the encoder and its CUDA stream
         # are not shared). A batch's turn comes once the batch taken before it has had its own.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="featpool-batch")
-        self._batch_thread = asyncio.Lock()  # held while a batch's second stage runs
-        self._turn_floor = -1  # every batch up to this one has had its turn
-        self._turns_done: set[int] = set()  # and these, past it
-        self._turn_waits: dict[int, asyncio.Future[None]] = {}
+        # Held while a batch's second stage runs. Its waiters are served first come, first
+        # served, and each batch's task reaches it first thing, in the order taken.
+        self._batch_thread = asyncio.Lock()
+        self._arrived: dict[int, _Taken[T, R]] = {}  # handed over ahead of an earlier batch
+        self._next = 0  # the next batch, in the order taken, to get its task
         self._running: set[asyncio.Task[None]] = set()
 
     @property
@@ -195,14 +195,12 @@ class Batcher(Generic[T, R]):
                 for i in items:  # skipped if still queued; if taken, discarded when done
                     if not i.future.done():
                         i.future.cancel()
-                running = [i for i in items if i.taken and not i.over]
+                running = {i.batch_over for i in items if i.batch_over is not None}
             for i in items:  # what is done already is discarded now
                 if not i.future.cancelled() and i.future.exception() is None:
                     self._discard(i.future.result())
             if running and not isinstance(e, asyncio.CancelledError):
-                for i in running:  # their results are discarded as their batch ends
-                    i.ended = loop.create_future()
-                await asyncio.gather(*(i.ended for i in running if i.ended is not None))
+                await asyncio.gather(*(over.wait() for over in running))
             raise
 
     # ---- the first stage, on its own threads -------------------------------------------------
@@ -227,10 +225,11 @@ class Batcher(Generic[T, R]):
                 self._cv.notify()
             # A request cancelled while its items were queued is skipped, not run.
             live = [i for i in batch if not i.future.done()]
+            over = asyncio.Event()  # (set on the loop; made here, it binds to no loop yet)
             for i in live:
-                i.taken = True
+                i.batch_over = over
             seq, self._taken = self._taken, self._taken + 1
-        return _Taken(seq, batch, live, time.perf_counter())
+        return _Taken(seq, batch, live, time.perf_counter(), over)
 
     def _first_stage(self) -> None:
         loop = self._loop
@@ -261,39 +260,21 @@ class Batcher(Generic[T, R]):
     # ---- the second stage and the results, on the event loop ---------------------------------
 
     def _taken_over(self, taken: _Taken[T, R]) -> None:
-        task = asyncio.get_running_loop().create_task(self._finish(taken))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    async def _turn_of(self, seq: int) -> None:
-        """Until batch ``seq`` has had its turn on the batch thread (or gave it up)."""
-        if seq <= self._turn_floor or seq in self._turns_done:
-            return
-        wait = self._turn_waits.get(seq)
-        if wait is None:
-            wait = self._turn_waits[seq] = asyncio.get_running_loop().create_future()
-        await wait
-
-    def _turn_taken(self, seq: int) -> None:
-        if seq <= self._turn_floor or seq in self._turns_done:
-            return
-        self._turns_done.add(seq)
-        while self._turn_floor + 1 in self._turns_done:
-            self._turn_floor += 1
-            self._turns_done.discard(self._turn_floor)
-        wait = self._turn_waits.pop(seq, None)
-        if wait is not None:
-            wait.set_result(None)
+        """Batches come from several prepare threads in any order; their tasks are made in the
+        order taken, so that they queue for the batch thread in that order."""
+        self._arrived[taken.seq] = taken
+        while self._next in self._arrived:
+            ready = self._arrived.pop(self._next)
+            self._next += 1
+            task = asyncio.get_running_loop().create_task(self._finish(ready))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _finish(self, taken: _Taken[T, R]) -> None:
         try:
             await self._results(taken)
         finally:
-            self._turn_taken(taken.seq)  # (a batch skipped, failed or run without a prepare stage)
-            for i in taken.live:
-                i.over = True
-                if i.ended is not None and not i.ended.done():
-                    i.ended.set_result(None)
+            taken.over.set()
             self._slots.release()
 
     async def _results(self, taken: _Taken[T, R]) -> None:
@@ -308,9 +289,7 @@ class Batcher(Generic[T, R]):
             if self._prepare is None:
                 results: Sequence[R | BaseException] = taken.out
             else:
-                await self._turn_of(taken.seq - 1)  # the batch taken before this one goes first
-                async with self._batch_thread:
-                    self._turn_taken(taken.seq)
+                async with self._batch_thread:  # (the first await: see _taken_over)
                     if all(i.future.done() for i in live):
                         # Every requester went away while the batch was prepared or waited
                         # for the batch thread: its second stage (the forward) is not run.
