@@ -510,21 +510,6 @@ class _Connection:
     arena: FrontArena | None
     waiting: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
     placed: dict[int, Extent] = field(default_factory=dict)  # job -> its images' range
-    outbox: list[ImageData] = field(default_factory=list)  # frames of this loop turn
-
-    def put(self, header: dict[str, Any], payload: Sequence[ImageData]) -> None:
-        """Queue a frame: the frames of one turn of the event loop go out together at its
-        end, in one write (the GPU process then reads them in one go, and answers them in one
-        turn of its own). Nothing can stop a queued frame but the connection's end, which
-        fails every job waiting on it."""
-        if not self.outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.outbox += _frame(header, payload)
-
-    def _flush(self) -> None:
-        parts, self.outbox = self.outbox, []
-        if not self.writer.is_closing():  # else close() has failed (or fails) their jobs
-            self.writer.writelines(parts)
 
     def answered(self, job: int) -> None:
         """The GPU process answered ``job``: it reads the job's bytes no more."""
@@ -560,6 +545,7 @@ class JobClient(EngineClient):
         self._conn: _Connection | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()
         self._giving_back: set[asyncio.Task[None]] = set()
 
     # ---- EngineClient ----------------------------------------------------------------------
@@ -629,19 +615,20 @@ class JobClient(EngineClient):
         conn.waiting[job] = fut
         sent = False
         try:
-            if conn.writer.is_closing():
-                raise ApiError("not_ready", "the GPU process went away")
-            frame = {"id": job, **header}
-            if arena:
-                payload = self._place(conn, job, frame, payload)
-            # Placed and queued without a pause: a queued frame goes out (and is answered,
-            # which frees its range) even if we are cancelled now.
-            conn.put(frame, payload)
-            sent = True
-            try:
-                await conn.writer.drain()  # waits only while the socket's buffer is full
-            except ConnectionError as e:
-                raise ApiError("not_ready", f"the GPU process went away ({e})") from e
+            async with self._write_lock:
+                if conn.writer.is_closing():
+                    raise ApiError("not_ready", "the GPU process went away")
+                frame = {"id": job, **header}
+                if arena:
+                    payload = self._place(conn, job, frame, payload)
+                # Placed and written without a pause: a frame in the transport's buffer goes
+                # out (and is answered, which frees its range) even if we are cancelled now.
+                _put(conn.writer, frame, payload)
+                sent = True
+                try:
+                    await conn.writer.drain()
+                except ConnectionError as e:
+                    raise ApiError("not_ready", f"the GPU process went away ({e})") from e
             try:
                 # Shielded: a cancelled caller (the client hung up) leaves the answer to come
                 # (or just come) in, and its leases are given back when it does.
@@ -775,8 +762,8 @@ class JobClient(EngineClient):
         task.add_done_callback(self._giving_back.discard)
 
     async def _send(self, conn: _Connection, header: dict[str, Any]) -> None:
-        conn.put(header, ())
-        await conn.writer.drain()
+        async with self._write_lock:
+            await _write(conn.writer, header)
 
     async def close(self) -> None:
         if self._conn is not None:
