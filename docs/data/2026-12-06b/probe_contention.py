@@ -1,0 +1,43 @@
+"""Probe, not run yet (no device time was left in the twenty-first session): nvJPEG's batched
+decode (torchvision, 64 photos a call) alone, then beside K busy processes on the other cores:
+pure-Python spinners, or SHA-256 over 138 KB buffers (what the fronts do per image). Prints ms
+per call (median of 30) and the decode thread's CPU time. Run from the repository root."""
+import hashlib, multiprocessing as mp, os, statistics, sys, time
+sys.path.insert(0, "bench")
+import torch, torchvision
+from torchvision.io import decode_jpeg
+from make_images import photo_jpeg
+
+def spin(kind):
+    buf = os.urandom(138 * 1024)
+    while True:
+        if kind == "sha":
+            hashlib.sha256(buf).digest()
+        else:
+            pass
+
+def run(datas, n=30):
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter(); c0 = time.thread_time()
+        imgs = decode_jpeg(datas, device="cuda")
+        torch.cuda.current_stream().synchronize()
+        out.append((time.perf_counter() - t0, time.thread_time() - c0))
+        del imgs
+    w = statistics.median(x for x, _ in out) * 1e3
+    c = statistics.median(y for _, y in out) * 1e3
+    return w, c
+
+if __name__ == "__main__":
+    jpegs = [photo_jpeg(i) for i in range(32)] * 2
+    datas = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+    run(datas, 10)
+    print("torch", torch.__version__, "torchvision", torchvision.__version__, "cores", os.cpu_count())
+    for kind, k in [("none", 0), ("spin", 8), ("sha", 8), ("none", 0), ("spin", 14), ("sha", 14), ("none", 0)]:
+        procs = [mp.Process(target=spin, args=(kind,), daemon=True) for _ in range(k)]
+        for p in procs: p.start()
+        time.sleep(0.5)
+        w, c = run(datas)
+        for p in procs: p.terminate()
+        for p in procs: p.join()
+        print(f"{kind:5s} x{k:2d}: {w:6.2f} ms per 64 ({w/64*1000:.0f} us an image), thread CPU {c:6.2f} ms")
