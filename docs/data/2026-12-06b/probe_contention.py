@@ -1,8 +1,25 @@
 """Probe, not run yet (no device time was left in the twenty-first session): nvJPEG's batched
 decode (torchvision, 64 photos a call) alone, then beside K busy processes on the other cores:
 pure-Python spinners, or SHA-256 over 138 KB buffers (what the fronts do per image). Prints ms
-per call (median of 30) and the decode thread's CPU time. Run from the repository root."""
+per call (median of 30) and the decode thread's CPU time. Run from the repository root.
+``--others``: print the CPUs outside CPU 0's core, comma-separated (for taskset), and stop."""
 import hashlib, multiprocessing as mp, os, statistics, sys, time
+
+
+def core_of_cpu0():
+    """CPU 0 and its hyperthread siblings, from a list such as "0,8" or "0-1"."""
+    text = open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read().strip()
+    cpus = {0}
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        cpus |= set(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--others"]:
+    print(",".join(map(str, sorted(os.sched_getaffinity(0) - core_of_cpu0()))))
+    sys.exit()
+
 sys.path.insert(0, "bench")
 import torch, torchvision
 from torchvision.io import decode_jpeg
@@ -34,9 +51,9 @@ if __name__ == "__main__":
     run(datas, 10)
     print("torch", torch.__version__, "torchvision", torchvision.__version__, "cores", os.cpu_count())
     every = os.sched_getaffinity(0)
-    sib = {int(x) for x in open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read().replace("-", ",").split(",")}
-    others = every - sib - {0}
-    print("cpu0 siblings", sorted(sib), "others", len(others))
+    core = core_of_cpu0()
+    others = every - core
+    print("cpu0's core", sorted(core), "others", len(others))
     # pinned: this thread alone on CPU 0, the busy processes on the CPUs other than its core's
     for kind, k, pinned in [("none", 0, False), ("spin", 8, False), ("sha", 8, False), ("none", 0, False),
                             ("spin", 14, False), ("sha", 14, False), ("sha", len(others), True),
