@@ -428,7 +428,7 @@ class Engine:
         size = None if is_dynamic(self.encoder) else cast(Encoder, self.encoder).image_size
         # A JPEG for nvJPEG whose header the entrance parsed needs nothing more here.
         jobs: list[Job | None] = [
-            Job.of_jpeg(img, ttl_s, img.header.orientation)
+            self._jpeg_job(img, ttl_s, img.header.orientation)
             if self.jpeg is not None and img.header is not None and img.header.gpu_jpeg
             else None
             for img in images
@@ -626,8 +626,14 @@ class Engine:
                 label=img.label,
             )
             if h.gpu_jpeg:
-                return Job.of_jpeg(img, None, h.orientation)
+                return self._jpeg_job(img, None, h.orientation)
         return Job(img.label, None, pixels=self._decode(img.label, img.data, size))
+
+    def _jpeg_job(self, img: ImageIn, ttl_s: float | None, orientation: int) -> Job:
+        """A JPEG for the GPU decoder, with the EXIF orientation still to apply after it: none
+        where the decoder turns its output upright itself (torchcodec)."""
+        upright = self.jpeg is not None and self.jpeg.upright
+        return Job.of_jpeg(img, ttl_s, 1 if upright else orientation)
 
     def _decode(self, label: str, data: ImageData, size: int | None) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ orientation, crop, antialiased resize) is tested on the CPU against Pillow.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import warnings
@@ -146,6 +147,23 @@ def decode_preprocess(  # noqa: PLR0917 (TorchScript: called positionally from t
     return preprocess(images, orientations, size)
 
 
+def decode_preprocess_upright(  # noqa: PLR0917 (as decode_preprocess)
+    sources: list[torch.Tensor],
+    which: list[int],
+    offsets: list[int],
+    sizes: list[int],
+    orientations: list[int],
+    size: int,
+    mode: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``decode_preprocess`` with torchcodec's nvJPEG operator, which turns each image upright
+    by its EXIF orientation itself (so ``orientations`` is all 1 here: ``JpegDecoder.upright``)."""
+    datas = narrow_spans(sources, which, offsets, sizes)
+    images = torch.ops.torchcodec_ns.decode_jpegs_cuda(datas, mode, device)
+    return preprocess(images, orientations, size)
+
+
 FusedFn = Callable[[ByteSpans, list[int], int], torch.Tensor]
 
 
@@ -175,6 +193,32 @@ def _torchvision_decoder(device: torch.device) -> DecodeFn:
     return decode
 
 
+RGB = 3  # ImageReadMode.RGB, in torchvision's enum and in torchcodec's alike
+
+
+def _load_torchcodec() -> None:
+    """Registers torchcodec's operators (``torchcodec_ns``); its image library needs no
+    FFmpeg."""
+    importlib.import_module("torchcodec.decoders")
+
+
+def _torchcodec_decoder(device: torch.device) -> DecodeFn:
+    """nvJPEG through torchcodec (``pip install torchcodec``; its CUDA build bundles nvJPEG):
+    batched decode on the GPU's hardware JPEG engines where it has them (A100, H100, H200),
+    else nvJPEG's CUDA decoder. Unlike torchvision's one decoder behind a process-wide mutex,
+    each call takes a decoder of its own from a cache of up to 32 per GPU, so
+    ``--prepare-threads N`` decodes N batches at once; and it decodes in one operator call,
+    without the interpreter lock. Its output is already upright (EXIF orientation applied)."""
+    _need_cuda(device)
+    _load_torchcodec()
+    op = torch.ops.torchcodec_ns.decode_jpegs_cuda
+
+    def decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        return list(op(datas, RGB, device))
+
+    return decode
+
+
 def torchscript(fn: Callable[..., torch.Tensor]) -> Any:
     """``fn`` compiled by TorchScript. TorchScript is deprecated (for torch.compile), and is
     what runs a batch's decode and preprocessing as one call here."""
@@ -187,10 +231,20 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
     """``decode_preprocess`` compiled by TorchScript (torchvision's operator must be loaded
     first: importing ``torchvision.io`` does it)."""
     _need_cuda(device)
-    from torchvision.io import ImageReadMode
+    import torchvision.io  # noqa: F401
 
-    compiled = torchscript(decode_preprocess)
-    mode = ImageReadMode.RGB.value
+    return _compiled_fused(decode_preprocess, device)
+
+
+def _torchcodec_fused(device: torch.device) -> FusedFn:
+    """``decode_preprocess_upright`` compiled by TorchScript (after torchcodec's operators)."""
+    _need_cuda(device)
+    _load_torchcodec()
+    return _compiled_fused(decode_preprocess_upright, device)
+
+
+def _compiled_fused(fn: Callable[..., torch.Tensor], device: torch.device) -> FusedFn:
+    compiled = torchscript(fn)
 
     def fused(spans: ByteSpans, orientations: list[int], size: int) -> torch.Tensor:
         return cast(
@@ -202,7 +256,7 @@ def _torchvision_fused(device: torch.device) -> FusedFn:
                 spans.sizes,
                 orientations,
                 size,
-                mode,
+                RGB,
                 device,
             ),
         )
@@ -278,16 +332,22 @@ def _need_cuda(device: torch.device) -> None:
         raise RuntimeError(f"the device is {device}")
 
 
-DecoderName = Literal["auto", "nvjpeg", "nvimgcodec", "pillow"]
+DecoderName = Literal["auto", "nvjpeg", "torchcodec", "nvimgcodec", "pillow"]
 # The GPU JPEG decoders, and the order in which --decoder auto tries them.
 GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
     "nvjpeg": _torchvision_decoder,
+    "torchcodec": _torchcodec_decoder,
     "nvimgcodec": _nvimgcodec_decoder,
 }
-AUTO_ORDER = ("nvjpeg", "nvimgcodec")
+AUTO_ORDER = ("nvjpeg", "torchcodec", "nvimgcodec")
 # The decoders with a one-call decode and preprocess of their own (``decode_preprocess``); the
 # others decode, then preprocess in one compiled call (``_then_preprocess``).
-FUSED_DECODERS: dict[str, Callable[[torch.device], FusedFn]] = {"nvjpeg": _torchvision_fused}
+FUSED_DECODERS: dict[str, Callable[[torch.device], FusedFn]] = {
+    "nvjpeg": _torchvision_fused,
+    "torchcodec": _torchcodec_fused,
+}
+# The decoders whose output is already upright (EXIF orientation applied by the library).
+UPRIGHT_DECODERS = frozenset({"torchcodec"})
 
 
 def _fused(name: str, device: torch.device, decode: DecodeFn) -> FusedFn | None:
@@ -305,7 +365,7 @@ def _fused(name: str, device: torch.device, decode: DecodeFn) -> FusedFn | None:
 class JpegDecoder:
     """Batched GPU JPEG decode. A batch the library refuses is retried image by image, so one
     bad JPEG fails only itself; the caller falls back to Pillow for the images that still
-    fail. ``name`` says which library decodes (``nvjpeg``, ``nvimgcodec``)."""
+    fail. ``name`` says which library decodes (``nvjpeg``, ``torchcodec``, ``nvimgcodec``)."""
 
     def __init__(
         self,
@@ -318,6 +378,8 @@ class JpegDecoder:
         self._decode = decode_fn or _torchvision_decoder(device)
         self.name = name
         self._fused = fused
+        # Its output is already upright: the engine passes orientation 1 for its images.
+        self.upright = name in UPRIGHT_DECODERS
 
     @classmethod
     def create(

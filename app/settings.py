@@ -189,11 +189,13 @@ class Settings(BaseSettings):
     gpu_decode: Literal["auto", "on", "off"] = Field(
         "auto", description="JPEG decode on the GPU: if available, required, never"
     )
-    decoder: Literal["auto", "nvjpeg", "nvimgcodec", "pillow"] = Field(
+    decoder: Literal["auto", "nvjpeg", "torchcodec", "nvimgcodec", "pillow"] = Field(
         "auto",
-        description="JPEG decoder, chosen at start-up: nvjpeg (torchvision), nvimgcodec (the "
-        "GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); auto: the first "
-        "GPU one that works, else pillow. A named one that does not work stops start-up",
+        description="JPEG decoder, chosen at start-up: nvjpeg (torchvision), torchcodec "
+        "(nvJPEG through torchcodec: a decoder per prepare thread, not one behind a lock), "
+        "nvimgcodec (the GPU's hardware JPEG decoder, nvidia-nvimgcodec-cu13), pillow (CPU); "
+        "auto: the first GPU one that works (nvjpeg, torchcodec, nvimgcodec), else pillow. A "
+        "named one that does not work stops start-up",
     )
     prepare_threads: int = Field(
         1,

@@ -1,4 +1,4 @@
-"""``--decoder auto|nvjpeg|nvimgcodec|pillow``: which JPEG decoder the engine
+"""``--decoder auto|nvjpeg|torchcodec|nvimgcodec|pillow``: which JPEG decoder the engine
 takes at start-up, its fallbacks, the start-up error when a named one is absent, and where the
 choice is reported (``/v1/pool``, ``featpool_build_info``). The GPU decoders are replaced by
 stand-ins here (this machine has no CUDA); the real ones run in tests/gpu."""
@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from safetensors.torch import load
 
 import app.gpu_decode as gd
 from app.gpu_decode import DecodeFn, JpegDecoder
-from tests.test_imaging import jpeg, photo, pil_decode
+from tests.test_imaging import jpeg, photo, pil_decode, upright_decode
 
 CPU = torch.device("cpu")
 
@@ -90,7 +92,7 @@ def test_gpu_decode_on_needs_one(decoders: dict[str, Callable[..., DecodeFn]]) -
 def test_the_real_decoders_refuse_a_cpu_device() -> None:
     """Without the stand-ins: on this CUDA-less machine each real GPU decoder is refused with
     the reason, and auto means Pillow."""
-    for name in ("nvjpeg", "nvimgcodec"):
+    for name in ("nvjpeg", "torchcodec", "nvimgcodec"):
         with pytest.raises(RuntimeError, match=f"--decoder {name} .*the device is cpu"):
             JpegDecoder.create(CPU, "auto", name)  # type: ignore[arg-type]
     assert JpegDecoder.create(CPU, "auto", "auto") is None
@@ -175,3 +177,30 @@ def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
     got = made.decode_preprocess(gd.ByteSpans.of(datas), [1, 6], 24)
     want = gd.preprocess(pil_decode(datas, CPU), [1, 6], 24)
     assert got is not None and torch.equal(got, want)
+
+
+def test_an_upright_decoder_is_not_turned_again(
+    decoders: dict[str, Callable[..., DecodeFn]],
+    make_client: Callable[..., TestClient],
+    tmp_path: Path,
+) -> None:
+    """torchcodec turns its output upright by the EXIF orientation itself; nvJPEG through
+    torchvision leaves that to the engine. Stand-ins that decode as each does (Pillow, with
+    and without ``exif_transpose``): JPEGs with each EXIF orientation give the same features
+    through both, so none is turned twice (or not at all)."""
+    decoders.update(nvjpeg=works, torchcodec=lambda device: upright_decode)
+    clients = {
+        name: make_client(decoder=name, socket_path=tmp_path / f"{name}.sock")
+        for name in ("nvjpeg", "torchcodec")
+    }
+    for orientation in (1, 3, 6, 8):
+        data = jpeg(photo(96, 64, orientation), orientation)
+        got = {}
+        for name, c in clients.items():
+            r = c.post(
+                "/v1/encode?dtype=float32", content=data, headers={"content-type": "image/jpeg"}
+            )
+            assert r.status_code == 200, r.text
+            lease = r.json()["items"][0]["lease_id"]
+            got[name] = load(c.get(f"/v1/leases/{lease}/tensor").content)["features"]
+        assert torch.allclose(got["nvjpeg"], got["torchcodec"], atol=1e-5), orientation

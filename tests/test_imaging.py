@@ -51,6 +51,17 @@ def jpeg(arr: np.ndarray, orientation: int = 1, quality: int = 95) -> bytes:
     return buf.getvalue()
 
 
+def upright_decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Stands in for torchcodec's nvJPEG: full decode, turned upright by the EXIF orientation."""
+    out = []
+    for d in datas:
+        im = ImageOps.exif_transpose(Image.open(io.BytesIO(d.numpy().tobytes())))
+        out.append(
+            torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1).to(device)
+        )
+    return out
+
+
 def pil_decode(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Stands in for nvJPEG: full decode, no orientation, RGB."""
     out = []
