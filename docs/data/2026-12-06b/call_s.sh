@@ -1,5 +1,6 @@
 #!/bin/bash
-# The sweep on main, with the naive baseline (not run: no device time was left); PAIR=1 adds
+# The sweep on main, with the naive baseline (run in the twenty-second session: ../2026-12-06c/
+# sweep-2158-h200.json); PAIR=1 adds
 # an interleaved 08eb684 / main pair through call_a.sh.
 D=$(dirname "$0")
 source "$D/common.sh"

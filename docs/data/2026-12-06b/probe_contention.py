@@ -1,5 +1,5 @@
-"""Probe, not run yet (no device time was left in the twenty-first session): nvJPEG's batched
-decode (torchvision, 64 photos a call) alone, then beside K busy processes on the other cores:
+"""Probe (run in the twenty-second session: ../2026-12-06c/probe-2130-contention.txt):
+nvJPEG's batched decode (torchvision, 64 photos a call) alone, then beside K busy processes on the other cores:
 pure-Python spinners, or SHA-256 over 138 KB buffers (what the fronts do per image). Prints ms
 per call (median of 30) and the decode thread's CPU time. Run from the repository root.
 ``--others``: print the CPUs outside CPU 0's core, comma-separated (for taskset), and stop."""
