@@ -207,8 +207,9 @@ def _torchcodec_decoder(device: torch.device) -> DecodeFn:
     batched decode on the GPU's hardware JPEG engines where it has them (A100, H100, H200),
     else nvJPEG's CUDA decoder. Unlike torchvision's one decoder behind a process-wide mutex,
     each call takes a decoder of its own from a cache of up to 32 per GPU, so
-    ``--prepare-threads N`` decodes N batches at once; and it decodes in one operator call,
-    without the interpreter lock. Its output is already upright (EXIF orientation applied)."""
+    ``--prepare-threads N`` decodes N batches at once (on an H200 that served no more images
+    a second than nvjpeg: docs/benchmarks.md, "Twenty-second session"). Its output is already
+    upright (EXIF orientation applied), and its pixels are nvjpeg's."""
     _need_cuda(device)
     _load_torchcodec()
     op = torch.ops.torchcodec_ns.decode_jpegs_cuda

@@ -1,5 +1,6 @@
-"""Helpers of the GPU tests: a deterministic byte pattern, and a producer in its own process
-(FeaturePool + CudaVmmBackend + HandoffServer, driven by JSON lines on stdin/stdout)."""
+"""Helpers of the GPU tests: a deterministic byte pattern, a producer in its own process
+(FeaturePool + CudaVmmBackend + HandoffServer, driven by JSON lines on stdin/stdout), and
+JPEG decoders driven from several threads at once."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from app.gpu_decode import JpegDecoder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +25,37 @@ def pattern(nbytes: int, seed: int, device: torch.device | str) -> torch.Tensor:
     """``nbytes`` pseudo-random bytes, the same in every process for the same seed."""
     i = torch.arange(nbytes, device=device, dtype=torch.int64)
     return (((i * 2654435761 + seed * 40503) >> 7) & 0xFF).to(torch.uint8)
+
+
+def threads_decoding_at_once(
+    dec: JpegDecoder, datas: list[torch.Tensor], threads: int = 4
+) -> list[str]:
+    """``threads`` threads, each on a CUDA stream of its own as the prepare threads are, decode
+    ``datas`` ten times in their own order: what went wrong (an image that is not its own)."""
+    want = [x.cpu() if isinstance(x, torch.Tensor) else x for x in dec.decode(datas)]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        stream = torch.cuda.Stream(dec.device)
+        order = [(k + i) % len(datas) for i in range(len(datas))] * 3
+        for _ in range(10):
+            with torch.cuda.stream(stream):
+                outs = dec.decode([datas[i] for i in order])
+                stream.synchronize()
+            for i, out in zip(order, outs, strict=True):
+                w = want[i]
+                tensors = isinstance(out, torch.Tensor) and isinstance(w, torch.Tensor)
+                if not (
+                    tensors and torch.equal(cast(torch.Tensor, out).cpu(), cast(torch.Tensor, w))
+                ):
+                    errors.append(f"thread {k}: image {i} is not its own")
+
+    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return errors
 
 
 def subprocess_env() -> dict[str, str]:

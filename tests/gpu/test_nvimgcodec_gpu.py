@@ -5,7 +5,6 @@ with it and says so."""
 from __future__ import annotations
 
 import io
-import threading
 from pathlib import Path
 from typing import cast
 
@@ -19,6 +18,7 @@ from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import inspect
 from app.main import create_app
 from app.settings import Settings
+from tests.gpu._harness import threads_decoding_at_once
 from tests.test_imaging import LIMITS, bogus_huffman, jpeg
 
 pytestmark = [
@@ -113,23 +113,5 @@ def test_nvimgcodec_decodes_on_several_threads_at_once() -> None:
     dec = JpegDecoder.create(dev, "auto", "nvimgcodec")
     assert dec is not None
     datas = [frombytes(d) for d in photos()]
-    want = [cast(torch.Tensor, x).cpu() for x in dec.decode(datas)]
-    errors: list[str] = []
-
-    def worker(k: int) -> None:
-        stream = torch.cuda.Stream(dev)
-        order = [(k + i) % len(datas) for i in range(len(datas))] * 3
-        for _ in range(10):
-            with torch.cuda.stream(stream):
-                outs = dec.decode([datas[i] for i in order])
-                stream.synchronize()
-            for i, out in zip(order, outs, strict=True):
-                if not (isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[i])):
-                    errors.append(f"thread {k}: image {i} is not its own")
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = threads_decoding_at_once(dec, datas)
     assert not errors, errors[:5]

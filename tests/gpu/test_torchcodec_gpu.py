@@ -4,7 +4,6 @@ failing alone, several threads decoding at once, and a server that serves with i
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import cast
 
@@ -16,6 +15,7 @@ from safetensors.torch import load
 from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import inspect
 from app.preprocess import orient
+from tests.gpu._harness import threads_decoding_at_once
 from tests.gpu.test_pipeline_gpu import _serve
 from tests.test_imaging import LIMITS, bogus_huffman, jpeg
 
@@ -102,27 +102,7 @@ def test_torchcodec_decodes_on_several_threads_at_once() -> None:
     CUDA stream of its own as the prepare threads are, decoding the photos in their own order,
     each get every image's own pixels, every time."""
     tc, _ = decoders()
-    dev = torch.device("cuda")
-    datas = [frombytes(d) for d in photos()]
-    want = [cast(torch.Tensor, x).cpu() for x in tc.decode(datas)]
-    errors: list[str] = []
-
-    def worker(k: int) -> None:
-        stream = torch.cuda.Stream(dev)
-        order = [(k + i) % len(datas) for i in range(len(datas))] * 3
-        for _ in range(10):
-            with torch.cuda.stream(stream):
-                outs = tc.decode([datas[i] for i in order])
-                stream.synchronize()
-            for i, out in zip(order, outs, strict=True):
-                if not (isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[i])):
-                    errors.append(f"thread {k}: image {i} is not its own")
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = threads_decoding_at_once(tc, [frombytes(d) for d in photos()])
     assert not errors, errors[:5]
 
 
