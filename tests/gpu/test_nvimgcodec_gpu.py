@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from app.engine import byte_tensor
 from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import inspect
 from app.main import create_app
@@ -33,10 +34,6 @@ def photos() -> list[bytes]:
     return [jpeg(f(), quality=90) for f in (data.astronaut, data.coffee, data.chelsea)]
 
 
-def frombytes(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
-
-
 def test_nvimgcodec_decodes_like_nvjpeg_and_pillow() -> None:
     pytest.importorskip("nvidia.nvimgcodec")
     dev = torch.device("cuda")
@@ -45,8 +42,8 @@ def test_nvimgcodec_decodes_like_nvjpeg_and_pillow() -> None:
     assert nvimg is not None and nvimg.name == "nvimgcodec"
     assert nvjpeg is not None
     datas = photos()
-    a = nvimg.decode([frombytes(d) for d in datas])
-    b = nvjpeg.decode([frombytes(d) for d in datas])
+    a = nvimg.decode([byte_tensor(d) for d in datas])
+    b = nvjpeg.decode([byte_tensor(d) for d in datas])
     for d, x, y in zip(datas, a, b, strict=True):
         assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
         assert x.is_cuda and x.dtype == torch.uint8 and x.shape == y.shape, (x.shape, y.shape)
@@ -63,7 +60,7 @@ def test_nvimgcodec_refuses_only_the_bad_image() -> None:
     good = photos()[0]
     bad = bogus_huffman(good)
     assert inspect(bad, **LIMITS).gpu_jpeg
-    outs = dec.decode([frombytes(x) for x in (good, bad, good)])
+    outs = dec.decode([byte_tensor(x) for x in (good, bad, good)])
     assert isinstance(outs[0], torch.Tensor) and isinstance(outs[2], torch.Tensor)
     print(f"nvImageCodec on a bogus Huffman table: {type(outs[1]).__name__}")
 
@@ -94,7 +91,7 @@ def test_nvimgcodec_one_call_is_decode_then_preprocess() -> None:
     pytest.importorskip("nvidia.nvimgcodec")
     dec = JpegDecoder.create(torch.device("cuda"), "auto", "nvimgcodec")
     assert dec is not None and dec._fused is not None
-    datas = [frombytes(d) for d in photos()]
+    datas = [byte_tensor(d) for d in photos()]
     orientations = [1, 6, 3]
     got = dec.decode_preprocess(ByteSpans.of(datas), orientations, 224)
     decoded = dec.decode(datas)
@@ -112,6 +109,6 @@ def test_nvimgcodec_decodes_on_several_threads_at_once() -> None:
     dev = torch.device("cuda")
     dec = JpegDecoder.create(dev, "auto", "nvimgcodec")
     assert dec is not None
-    datas = [frombytes(d) for d in photos()]
+    datas = [byte_tensor(d) for d in photos()]
     errors = threads_decoding_at_once(dec, datas)
     assert not errors, errors[:5]

@@ -12,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load
 
+from app.engine import byte_tensor
 from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
 from app.imaging import inspect
 from app.preprocess import orient
@@ -33,11 +34,9 @@ def photos() -> list[bytes]:
     return [jpeg(a, o, quality=90) for a, o in zip(arrays, ORIENTATIONS, strict=True)]
 
 
-def frombytes(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
-
-
+@pytest.fixture(scope="module")
 def decoders() -> tuple[JpegDecoder, JpegDecoder]:
+    """torchcodec's decoder and nvJPEG's, each made (and its one call compiled) once."""
     pytest.importorskip("torchcodec")
     dev = torch.device("cuda")
     tc = JpegDecoder.create(dev, "on", "torchcodec")
@@ -47,15 +46,17 @@ def decoders() -> tuple[JpegDecoder, JpegDecoder]:
     return tc, tv
 
 
-def test_torchcodec_decodes_like_torchvision_turned_upright() -> None:
+def test_torchcodec_decodes_like_torchvision_turned_upright(
+    decoders: tuple[JpegDecoder, JpegDecoder],
+) -> None:
     """Both are nvJPEG; torchcodec's output is already turned by the EXIF orientation, so it
     matches torchvision's turned by ``orient``: same shape, pixels within a level on average
     (the two may take different nvJPEG back-ends)."""
-    tc, tv = decoders()
+    tc, tv = decoders
     datas = photos()
     assert [inspect(d, **LIMITS).orientation for d in datas] == ORIENTATIONS
-    a = tc.decode([frombytes(d) for d in datas])
-    b = tv.decode([frombytes(d) for d in datas])
+    a = tc.decode([byte_tensor(d) for d in datas])
+    b = tv.decode([byte_tensor(d) for d in datas])
     for o, x, stored in zip(ORIENTATIONS, a, b, strict=True):
         assert isinstance(x, torch.Tensor) and isinstance(stored, torch.Tensor)
         y = orient(stored, o)
@@ -65,13 +66,15 @@ def test_torchcodec_decodes_like_torchvision_turned_upright() -> None:
         assert diff.mean() < 1.0 and diff.max() < 48, (o, diff.mean(), diff.max())
 
 
-def test_torchcodec_one_call_is_its_decode_then_preprocess() -> None:
+def test_torchcodec_one_call_is_its_decode_then_preprocess(
+    decoders: tuple[JpegDecoder, JpegDecoder],
+) -> None:
     """Its one TorchScript call gives exactly what its decode and ``preprocess`` give from
     Python; with the orientations the engine passes it (all 1: ``JpegDecoder.upright``) it
     matches nvJPEG's one call with the real ones. A batch with a JPEG it refuses gets None."""
-    tc, tv = decoders()
+    tc, tv = decoders
     assert tc._fused is not None and tv._fused is not None
-    tensors = [frombytes(d) for d in photos()]
+    tensors = [byte_tensor(d) for d in photos()]
     ones = [1] * len(tensors)
     got = tc.decode_preprocess(ByteSpans.of(tensors), ones, 224)
     decoded = tc.decode(tensors)
@@ -83,26 +86,28 @@ def test_torchcodec_one_call_is_its_decode_then_preprocess() -> None:
     diff = (got - ref).abs()
     print(f"torchcodec against nvJPEG, one call each: mean {diff.mean():.3f}, max {diff.max():.1f}")
     assert diff.mean() < 1.0
-    bad = frombytes(bogus_huffman(photos()[0]))
+    bad = byte_tensor(bogus_huffman(photos()[0]))
     assert tc.decode_preprocess(ByteSpans.of([tensors[1], bad]), [1, 1], 224) is None
 
 
-def test_torchcodec_refuses_only_the_bad_image() -> None:
-    tc, _ = decoders()
+def test_torchcodec_refuses_only_the_bad_image(decoders: tuple[JpegDecoder, JpegDecoder]) -> None:
+    tc, _ = decoders
     good = photos()[0]
     bad = bogus_huffman(good)
     assert inspect(bad, **LIMITS).gpu_jpeg
-    outs = tc.decode([frombytes(x) for x in (good, bad, good)])
+    outs = tc.decode([byte_tensor(x) for x in (good, bad, good)])
     assert isinstance(outs[0], torch.Tensor) and isinstance(outs[2], torch.Tensor)
     assert isinstance(outs[1], Exception), type(outs[1])
 
 
-def test_torchcodec_decodes_on_several_threads_at_once() -> None:
+def test_torchcodec_decodes_on_several_threads_at_once(
+    decoders: tuple[JpegDecoder, JpegDecoder],
+) -> None:
     """Each call takes a decoder of its own from torchcodec's cache: four threads, each on a
     CUDA stream of its own as the prepare threads are, decoding the photos in their own order,
     each get every image's own pixels, every time."""
-    tc, _ = decoders()
-    errors = threads_decoding_at_once(tc, [frombytes(d) for d in photos()])
+    tc, _ = decoders
+    errors = threads_decoding_at_once(tc, [byte_tensor(d) for d in photos()])
     assert not errors, errors[:5]
 
 
