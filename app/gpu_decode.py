@@ -334,30 +334,34 @@ def _need_cuda(device: torch.device) -> None:
 
 
 DecoderName = Literal["auto", "nvjpeg", "torchcodec", "nvimgcodec", "pillow"]
+
+
+@dataclass(frozen=True)
+class GpuDecoder:
+    """A GPU JPEG library as the engine uses it: ``decode`` makes its batched decode; ``fused``
+    its one-call decode and preprocess (``decode_preprocess``), where None means its decode,
+    then ``preprocess`` compiled (``_then_preprocess``); ``upright``: its output is already
+    turned by the EXIF orientation, so the engine passes orientation 1 for its images."""
+
+    decode: Callable[[torch.device], DecodeFn]
+    fused: Callable[[torch.device], FusedFn] | None = None
+    upright: bool = False
+
+
 # The GPU JPEG decoders, and the order in which --decoder auto tries them.
-GPU_DECODERS: dict[str, Callable[[torch.device], DecodeFn]] = {
-    "nvjpeg": _torchvision_decoder,
-    "torchcodec": _torchcodec_decoder,
-    "nvimgcodec": _nvimgcodec_decoder,
+GPU_DECODERS: dict[str, GpuDecoder] = {
+    "nvjpeg": GpuDecoder(_torchvision_decoder, _torchvision_fused),
+    "torchcodec": GpuDecoder(_torchcodec_decoder, _torchcodec_fused, upright=True),
+    "nvimgcodec": GpuDecoder(_nvimgcodec_decoder),
 }
 AUTO_ORDER = ("nvjpeg", "torchcodec", "nvimgcodec")
-# The decoders with a one-call decode and preprocess of their own (``decode_preprocess``); the
-# others decode, then preprocess in one compiled call (``_then_preprocess``).
-FUSED_DECODERS: dict[str, Callable[[torch.device], FusedFn]] = {
-    "nvjpeg": _torchvision_fused,
-    "torchcodec": _torchcodec_fused,
-}
-# The decoders whose output is already upright (EXIF orientation applied by the library).
-UPRIGHT_DECODERS = frozenset({"torchcodec"})
 
 
-def _fused(name: str, device: torch.device, decode: DecodeFn) -> FusedFn | None:
-    """``name``'s one-call decode and preprocess (``decode`` then compiled preprocessing where
-    the library has no such call), or None: without it (TorchScript gone from a later torch,
-    say) the decoder still works, a few interpreter-lock waits per image slower."""
-    factory = FUSED_DECODERS.get(name)
+def _fused(name: str, kind: GpuDecoder, device: torch.device, decode: DecodeFn) -> FusedFn | None:
+    """``name``'s one-call decode and preprocess, or None: without it (TorchScript gone from a
+    later torch, say) the decoder still works, a few interpreter-lock waits per image slower."""
     try:
-        return factory(device) if factory is not None else _then_preprocess(decode, device)
+        return kind.fused(device) if kind.fused is not None else _then_preprocess(decode, device)
     except Exception as e:
         log.warning("%s: no one-call decode and preprocess (%s); decoding per image", name, e)
         return None
@@ -374,13 +378,13 @@ class JpegDecoder:
         decode_fn: DecodeFn | None = None,
         name: str = "nvjpeg",
         fused: FusedFn | None = None,
+        upright: bool = False,
     ) -> None:
         self.device = device
         self._decode = decode_fn or _torchvision_decoder(device)
         self.name = name
         self._fused = fused
-        # Its output is already upright: the engine passes orientation 1 for its images.
-        self.upright = name in UPRIGHT_DECODERS
+        self.upright = upright  # (GpuDecoder.upright)
 
     @classmethod
     def create(
@@ -400,8 +404,10 @@ class JpegDecoder:
         reasons = []
         for name in AUTO_ORDER if decoder == "auto" else [decoder]:
             try:
-                decode = GPU_DECODERS[name](device)
-                made = cls(device, decode, name, _fused(name, device, decode))
+                kind = GPU_DECODERS[name]
+                decode = kind.decode(device)
+                fused = _fused(name, kind, device, decode)
+                made = cls(device, decode, name, fused, kind.upright)
                 made.warmup()
             except Exception as e:  # not installed, no CUDA, a library that cannot decode
                 reasons.append(f"{name}: {e}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,21 +40,32 @@ def cannot_decode(device: torch.device) -> DecodeFn:
     return decode
 
 
+class StandIns:
+    """``update(name=factory)`` puts ``factory`` in place of that GPU decoder's own decode;
+    the rest of its record (its one-call decode, whether it is upright) stays the real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.table = dict(gd.GPU_DECODERS)
+        monkeypatch.setattr(gd, "GPU_DECODERS", self.table)
+
+    def update(self, **factories: Callable[[torch.device], DecodeFn]) -> None:
+        for name, factory in factories.items():
+            self.table[name] = replace(self.table[name], decode=factory)
+
+
 @pytest.fixture
-def decoders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Callable[[torch.device], DecodeFn]]:
-    table = dict(gd.GPU_DECODERS)
-    monkeypatch.setattr(gd, "GPU_DECODERS", table)
-    return table
+def decoders(monkeypatch: pytest.MonkeyPatch) -> StandIns:
+    return StandIns(monkeypatch)
 
 
-def test_auto_takes_nvjpeg_first(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+def test_auto_takes_nvjpeg_first(decoders: StandIns) -> None:
     decoders.update(nvjpeg=works, nvimgcodec=works)
     made = JpegDecoder.create(CPU, "auto", "auto")
     assert made is not None and made.name == "nvjpeg"
 
 
 def test_auto_falls_back_to_nvimgcodec_then_pillow(
-    decoders: dict[str, Callable[..., DecodeFn]], caplog: pytest.LogCaptureFixture
+    decoders: StandIns, caplog: pytest.LogCaptureFixture
 ) -> None:
     decoders.update(nvjpeg=absent("torchvision"), nvimgcodec=works)
     made = JpegDecoder.create(CPU, "auto", "auto")
@@ -66,7 +78,7 @@ def test_auto_falls_back_to_nvimgcodec_then_pillow(
 
 
 def test_a_named_decoder_that_is_absent_stops_start_up(
-    decoders: dict[str, Callable[..., DecodeFn]],
+    decoders: StandIns,
 ) -> None:
     decoders.update(nvjpeg=works, nvimgcodec=absent("nvidia.nvimgcodec"))
     with pytest.raises(RuntimeError, match=r"--decoder nvimgcodec .*nvidia\.nvimgcodec"):
@@ -75,7 +87,7 @@ def test_a_named_decoder_that_is_absent_stops_start_up(
     assert made is not None and made.name == "nvjpeg"
 
 
-def test_pillow_and_gpu_decode_off(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+def test_pillow_and_gpu_decode_off(decoders: StandIns) -> None:
     decoders.update(nvjpeg=works, nvimgcodec=works)
     assert JpegDecoder.create(CPU, "auto", "pillow") is None
     assert JpegDecoder.create(CPU, "off", "auto") is None
@@ -83,7 +95,7 @@ def test_pillow_and_gpu_decode_off(decoders: dict[str, Callable[..., DecodeFn]])
         JpegDecoder.create(CPU, "off", "nvimgcodec")
 
 
-def test_gpu_decode_on_needs_one(decoders: dict[str, Callable[..., DecodeFn]]) -> None:
+def test_gpu_decode_on_needs_one(decoders: StandIns) -> None:
     decoders.update(nvjpeg=absent("torchvision"), nvimgcodec=absent("nvidia.nvimgcodec"))
     with pytest.raises(RuntimeError, match=r"--gpu-decode on .*torchvision.*nvimgcodec"):
         JpegDecoder.create(CPU, "on", "auto")
@@ -99,7 +111,7 @@ def test_the_real_decoders_refuse_a_cpu_device() -> None:
 
 
 def test_the_choice_is_reported(
-    decoders: dict[str, Callable[..., DecodeFn]],
+    decoders: StandIns,
     make_client: Callable[..., TestClient],
 ) -> None:
     c = make_client()
@@ -109,7 +121,7 @@ def test_the_choice_is_reported(
 
 
 def test_a_named_decoder_is_reported_by_the_server(
-    decoders: dict[str, Callable[..., DecodeFn]],
+    decoders: StandIns,
     make_client: Callable[..., TestClient],
 ) -> None:
     """The engine builds the decoder that --decoder names (a stand-in that works on the CPU
@@ -162,7 +174,7 @@ def test_each_gpu_decode_call_waits_for_the_current_stream_first(
 
 
 def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
-    decoders: dict[str, Callable[..., DecodeFn]],
+    decoders: StandIns,
 ) -> None:
     """nvImageCodec has no decode-and-preprocess operator: its one call is its decode, then
     ``preprocess`` compiled by TorchScript, with preprocess's own result (a stand-in decoder
@@ -180,7 +192,7 @@ def test_a_decoder_without_a_one_call_of_its_own_gets_compiled_preprocessing(
 
 
 def test_an_upright_decoder_is_not_turned_again(
-    decoders: dict[str, Callable[..., DecodeFn]],
+    decoders: StandIns,
     make_client: Callable[..., TestClient],
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,14 @@
+#!/bin/bash
+# Twenty-third session, first call: the GPU tests changed since their last GPU run (TESTS), then
+# eager against --encoder-compile end to end, interleaved, each block one server through
+# ../2026-12-06b/call_a.sh (POINTS raw:1x256,mp:16x64), all tarred into $OUT/all.tgz.
+A=docs/data/2026-12-06b; O=$OUT
+OUT=$O TESTS="tests/gpu/test_torchcodec_gpu.py tests/gpu/test_nvimgcodec_gpu.py" bash $A/call_t.sh
+run() { mkdir -p $O/$1; OUT=$O/$1 EXTRA="$2" ORDER="head" POINTS=raw:1x256,mp:16x64 bash $A/call_a.sh 2>&1 | grep -E "^row|featpool|Error"; }
+run a ""
+run b "--encoder-compile"
+run c ""
+run d "--encoder-compile"
+[ $SECONDS -lt 420 ] && run e ""
+[ $SECONDS -lt 470 ] && run f "--encoder-compile"
+cd $O && tar czf all.tgz gputests.txt a b c d e f 2>/dev/null; rm -rf a b c d e f; date -u
