@@ -3,7 +3,7 @@
 # eager against --encoder-compile end to end, interleaved, each block one server through
 # ../2026-12-06b/call_a.sh (POINTS raw:1x256,mp:16x64), all tarred into $OUT/all.tgz.
 A=docs/data/2026-12-06b; O=$OUT
-OUT=$O TESTS="tests/gpu/test_torchcodec_gpu.py tests/gpu/test_nvimgcodec_gpu.py" bash $A/call_t.sh
+OUT=$O TESTS="tests/gpu/test_torchcodec_gpu.py tests/gpu/test_nvimgcodec_gpu.py tests/gpu/test_job_arena_gpu.py tests/gpu/test_pipeline_gpu.py tests/test_decoder_choice.py" bash $A/call_t.sh
 run() { mkdir -p $O/$1; OUT=$O/$1 EXTRA="$2" ORDER="head" POINTS=raw:1x256,mp:16x64 bash $A/call_a.sh 2>&1 | grep -E "^row|featpool|Error"; }
 run a ""
 run b "--encoder-compile"
