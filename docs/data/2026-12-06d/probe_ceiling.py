@@ -2,7 +2,8 @@
 128) looping on one thread and stream, the prepare stage (nvJPEG's one-call decode and
 preprocess of 128 photos, then the normalisation) on another, as the engine runs them; alone
 and together, with each side's parts apart, and the SM time each takes per image (the sum of
-its kernels' durations, torch.profiler). Run from the repository root on the device."""
+its kernels' durations, torch.profiler). PART=spin: only the prepare call beside the forward
+and beside threads that hold the interpreter lock. Run from the repository root on the device."""
 import os, sys, threading, time
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as python -m app sets it
@@ -57,6 +58,9 @@ work = {
     "pre": lambda: (pre(decoded, ones, S) - mean) / std,
     "pre-copy": lambda: (pre_copy(decoded, S) - mean) / std,
 }
+# Python holding the interpreter lock, as the GPU process's batch thread and job channel do
+# beside the prepare thread (which gives it up for its one call and takes it back after).
+work["spin"] = lambda: sum(range(20_000))
 print("pre-copy equals preprocess:", torch.equal(pre_copy(decoded, S), pre(decoded, ones, S)))
 
 
@@ -87,7 +91,16 @@ def sm_us_per_image(name: str, calls: int = 8) -> str:
     return f"{us:6.1f} us/image ({len(kernels) // calls} kernels a call)"
 
 
-for name in work:
+if os.environ.get("PART") == "spin":  # the prepare call beside the service's interpreter
+    sys.setswitchinterval(0.0005)  # the GPU process's (--gil-switch-interval-ms 0.5)
+    rates(["forward", "decode+pre"], 1.0)
+    for names in (["decode+pre"], ["forward", "decode+pre"], ["forward", "decode+pre", "spin"],
+                  ["forward", "decode+pre", "spin", "spin"], ["forward", "decode+pre"]):
+        got = rates(names)
+        print("together: " + " | ".join(f"{n} {r:7.0f}" for n, r in zip(names, got) if n != "spin")
+              + f" images/s, with {names.count('spin')} spinning thread(s)", flush=True)
+    sys.exit()
+for name in [n for n in work if n != "spin"]:
     rates([name], 1.0)  # warm
     print(f"{name:17s} alone {rates([name])[0]:7.0f} images/s, SM {sm_us_per_image(name)}", flush=True)
 for a, b in (("forward", "decode+pre"), ("forward", "decode"), ("forward", "pre"), ("forward", "pre-copy"),
