@@ -658,9 +658,9 @@ class Section:
                     "parsing, decode, batching and publish in one Python process), which "
                     "is what HTTP front processes address."
                     if frac < 0.5
-                    else " The rest of the encoder's rate is lost to the JPEG decode and "
-                    "preprocessing, which share the GPU with the forward (docs/benchmarks.md, "
-                    "issue 17)."
+                    else " The rest of the encoder's rate is lost in the prepare stage: its one "
+                    "call per batch (JPEG decode and preprocessing) takes longer in the server "
+                    "than the forward does (docs/benchmarks.md, issue 17)."
                     if self.gpu
                     else " The encoder itself is now the main limit."
                 )
