@@ -126,7 +126,8 @@ class Job:
     # [3, S, S] uint8 on the CPU (Pillow decoded it; with the model's own preprocessing or a
     # dynamic encoder, [3, H, W] at full size, upright)
     pixels: torch.Tensor | None = None
-    jpeg: ImageData = b""  # or: a JPEG for nvJPEG, already validated, with its EXIF orientation
+    jpeg: ImageData = b""  # or: a JPEG for nvJPEG, already validated
+    # the EXIF orientation still to apply after the GPU decode (1 where the decoder applies it)
     orientation: int = 1
     arena: ArenaView | None = None  # the job arena jpeg is a view of (ImageIn.arena), and where
     arena_offset: int = 0
@@ -719,8 +720,9 @@ class Engine:
     def _decode_jpegs(
         self, jobs: list[Job], idx: list[int], size: int | None, failed: dict[int, BaseException]
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The JPEGs of ``jobs[idx]`` decoded by nvJPEG in one batch: (on the device, as stored:
-        not yet oriented; the ones nvJPEG refused, decoded by Pillow as ``_decode`` does).
+        """The JPEGs of ``jobs[idx]`` decoded by nvJPEG in one batch: (on the device, still to
+        be turned by ``Job.orientation``; the ones nvJPEG refused, decoded by Pillow as
+        ``_decode`` does).
         What Pillow refuses too goes into ``failed``."""
         assert self.jpeg is not None
         on_gpu: dict[int, torch.Tensor] = {}

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,9 +44,10 @@ def threads_decoding_at_once(
                 stream.synchronize()
             for i, out in zip(order, outs, strict=True):
                 w = want[i]
-                tensors = isinstance(out, torch.Tensor) and isinstance(w, torch.Tensor)
                 if not (
-                    tensors and torch.equal(cast(torch.Tensor, out).cpu(), cast(torch.Tensor, w))
+                    isinstance(out, torch.Tensor)
+                    and isinstance(w, torch.Tensor)
+                    and torch.equal(out.cpu(), w)
                 ):
                     errors.append(f"thread {k}: image {i} is not its own")
 
