@@ -2,7 +2,7 @@
 # Twenty-fourth session. (1) probe_cold.py: nvJPEG's one call on bytes another process just
 # wrote (as a front does) against the same bytes again, alone and beside the forward, pageable
 # and page-locked. (2) Sixteen per request, c=64, interleaved rows, one server each: head
-# (nvjpeg, one prepare thread; the naive baseline in the first row), tc2 (--decoder torchcodec
+# (nvjpeg, one prepare thread; the naive baseline in the first row unless NONAIVE=1), tc2 (--decoder torchcodec
 # --prepare-threads 2: two decoders at once, so the host side of two batches overlaps), b256
 # (--max-batch-size 256: the per-batch costs over twice the images), pin (this tree with
 # docs/data/2026-12-06/pinned-arena.diff: the fronts' arenas page-locked). Into $OUT/all.tgz.
@@ -15,7 +15,7 @@ START=$SECONDS; i=0
 for row in ${ORDER:-head tc2 pin head tc2 pin}; do
   i=$((i+1))
   [ $((SECONDS-START)) -gt ${LIMIT:-300} ] && { echo "stop before row $i ($row): time"; break; }
-  if [ $i -eq 1 ]; then bl=(--baseline-points raw:1x16 "--baseline-args=$NA"); else bl=(--baseline-points=); fi
+  if [ $i -eq 1 ] && [ -z "$NONAIVE" ]; then bl=(--baseline-points raw:1x16 "--baseline-args=$NA"); else bl=(--baseline-points=); fi
   t0=$SECONDS
   python3 bench/bench_e2e.py $B --points mp:16x64 "${bl[@]}" --server-root $([ $row = pin ] && echo /tmp/pin || echo $PWD) "--featpool-args=$FA $BIG ${X[$row]}" --logs $O/logs-$i-$row --out $O/e2e-$i-$row.json > $O/e2e-$i-$row.log 2>&1
   echo "row $i $row rc=$? $((SECONDS-t0)) s"
