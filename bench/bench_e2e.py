@@ -469,22 +469,25 @@ def run_point(
 def _py_spy(args: argparse.Namespace, pid: int, p: Point) -> subprocess.Popen[bytes] | None:
     """With ``--py-spy DIR``: sample the GPU process's Python stacks over the point's window,
     as collapsed stacks in DIR: the thread holding the interpreter lock at each sample (none
-    held: no sample), so samples / (rate x duration) is how busy the lock was."""
+    held: no sample), so samples / (rate x duration) is how busy the lock was. With
+    ``--py-spy-native``: every thread's stack at each sample, native frames (the driver's,
+    nvJPEG's, the lock's waits) included; py-spy pauses the process to take them."""
     if args.py_spy is None:
         return None
     args.py_spy.mkdir(parents=True, exist_ok=True)
     name = f"{p.server}-{'mp' if p.multipart else 'raw'}-{p.per_request}x{p.concurrency}.txt"
+    if args.py_spy_native:
+        mode = ["--rate", "100", "--native", "--idle"]
+    else:
+        mode = ["--rate", "200", "--gil", "--nonblocking"]
     return subprocess.Popen(
         [
             "py-spy",
             "record",
             "--pid",
             str(pid),
-            "--rate",
-            "200",
+            *mode,
             "--threads",
-            "--gil",
-            "--nonblocking",
             "--format",
             "raw",
             "--duration",
@@ -563,6 +566,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--py-spy", type=Path, help="profile the GPU process with py-spy into DIR")
+    ap.add_argument(
+        "--py-spy-native",
+        action="store_true",
+        help="with --py-spy: all threads, native frames included, idle ones too (not the lock)",
+    )
     return ap
 
 
