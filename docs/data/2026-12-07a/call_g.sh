@@ -1,5 +1,5 @@
 #!/bin/bash
-# Twenty-fourth session. (1) probe_cold.py: nvJPEG's one call on bytes another process just
+# Twenty-fourth session. (1) EVICT=1 probe_cold.py: nvJPEG's one call on bytes another process just
 # wrote (as a front does) against the same bytes again, alone and beside the forward, pageable
 # and page-locked. (2) Sixteen per request, c=64, interleaved rows, one server each: head
 # (nvjpeg, one prepare thread; the naive baseline in the first row unless NONAIVE=1), tc2 (--decoder torchcodec
@@ -8,7 +8,7 @@
 # docs/data/2026-12-06/pinned-arena.diff: the fronts' arenas page-locked). Into $OUT/all.tgz.
 A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
-python3 docs/data/2026-12-07a/probe_cold.py > $O/probe-cold.txt 2>&1; echo "probe rc=$?"; grep -v "^ *$" $O/probe-cold.txt | tail -6
+EVICT=1 python3 docs/data/2026-12-07a/probe_cold.py > $O/probe-cold.txt 2>&1; echo "probe rc=$?"; grep -v "^ *$" $O/probe-cold.txt | tail -6
 rm -rf /tmp/pin && mkdir /tmp/pin && tar --exclude=./.git --exclude=./.whl --exclude=./.whl-extra --exclude=./scratch -cf - . | tar -xf - -C /tmp/pin && (cd /tmp/pin && git apply docs/data/2026-12-06/pinned-arena.diff) && echo "pin tree ready"
 declare -A X=([head]="" [tc2]="--decoder torchcodec --prepare-threads 2" [b256]="--max-batch-size 256" [tc3]="--decoder torchcodec --prepare-threads 3" [pin]="")
 START=$SECONDS; i=0

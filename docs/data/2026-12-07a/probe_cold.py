@@ -5,7 +5,9 @@ that another core wrote; the twenty-third session's probe decoded the same 32 ph
 again, hot in its own caches. Here a child process rewrites a shared arena with 128 photos
 before each call ("cold"), then the same call runs again on the same bytes ("hot"), alone and
 beside the ViT-B/16 forward loop; then with the arena page-locked (cudaHostRegister). Median ms
-per call of 128 and the thread's CPU ms. Run from the repository root on the device."""
+per call of 128 and the thread's CPU ms. EVICT=1 adds "evicted": rewritten, then 512 MiB read
+so that the bytes are in memory, not in a cache (in the service, at 16x64 ~1,000 images, ~140
+MB, wait between a front's write and the decode). Run from the repository root on the device."""
 
 import os, statistics, sys, threading, time
 from multiprocessing import shared_memory
@@ -43,11 +45,20 @@ def rewrite() -> None:
     os.read(done_r, 1)
 
 
+EVICT = os.environ.get("EVICT") == "1"
+sweep = torch.ones(1 << 27 if EVICT else 1, dtype=torch.int32)  # 512 MiB, read to evict the caches
+
+
 def calls(jd: JpegDecoder, n: int = 30) -> str:
-    out: dict[str, list[tuple[float, float]]] = {"cold": [], "hot": []}
+    kinds = ("evicted", "cold", "hot") if EVICT else ("cold", "hot")
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
     for _ in range(n):
-        rewrite()
-        for kind in ("cold", "hot"):
+        for kind in kinds:
+            if kind == "evicted":
+                rewrite()
+                sweep.sum()  # read on torch's threads: the shared cache holds none of the arena
+            elif kind == "cold":
+                rewrite()
             t, c = time.perf_counter(), time.thread_time()
             jd.decode_preprocess(spans, [1] * N, 224)
             out[kind].append(((time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3))
