@@ -24,7 +24,7 @@ from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import RETRY_AFTER, ApiError
 from app.featindex import FeatureIndex, content_digest, feature_hash, identity_digest
-from app.gpu_decode import ByteSpans, JpegDecoder, preprocess
+from app.gpu_decode import ByteSpans, Held, JpegDecoder, held, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.job_arena import ArenaView
 from app.metrics import Metrics
@@ -157,17 +157,17 @@ def byte_tensor(data: ImageData) -> torch.Tensor:
 
 def arena_tensor(arena: ArenaView) -> torch.Tensor | None:
     """A front's whole job arena as one uint8 tensor, made once per connection and kept on the
-    arena (which drops it at close); None once the connection closed."""
-    whole = arena.tensor
-    if whole is None:
+    arena, ``held`` (the arena drops both at close); None once the connection closed."""
+    kept = arena.tensor
+    if kept is None:
         view = arena.whole()
         if view is None:
             return None
         # (two prepare threads may both make one: either serves, and the loser is dropped)
-        whole = arena.tensor = torch.frombuffer(view, dtype=torch.uint8)
+        kept = arena.tensor = held(torch.frombuffer(view, dtype=torch.uint8))
         if arena.closed:  # it closed meanwhile: only this batch holds the tensor now
             arena.tensor = None
-    return cast(torch.Tensor, whole)
+    return cast(Held, kept).tensor
 
 
 def byte_spans(jobs: Sequence[Job]) -> ByteSpans:

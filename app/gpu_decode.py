@@ -16,7 +16,7 @@ import queue
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.nn.functional as nnf
@@ -35,6 +35,26 @@ def narrow_spans(
     each. TorchScript-compatible: inside a compiled call the views are made and freed without
     the interpreter."""
     return [sources[which[i]].narrow(0, offsets[i], sizes[i]) for i in range(len(which))]
+
+
+class Held(NamedTuple):
+    """A source tensor of spans and the view of it that holds it (``held``)."""
+
+    tensor: torch.Tensor
+    view: torch.Tensor
+
+
+def held(t: torch.Tensor) -> Held:
+    """``t`` with a view of it, to be kept together while ``t`` is a source of spans.
+
+    Since torch 2.10 a tensor with a Python object takes the interpreter lock whenever its
+    count of C++ references goes from 1 to 2 (to hold the object) or from 2 to 1 (to let it
+    go). The one-call decode makes and frees a batch's spans, views of their sources, with the
+    lock released; each source would take the lock in the middle of the call, and beside busy
+    threads each take waits up to the switch interval. This view holds the count at 2 or more
+    for as long as it lives, so the spans take no lock (docs/benchmarks.md, "Twenty-fifth
+    session")."""
+    return Held(t, t[:])
 
 
 @dataclass

@@ -112,9 +112,10 @@ class ArenaView:
             raise ArenaError(f"the job arena cannot be mapped ({e})") from None
         self.size = nbytes
         self._view: memoryview | None = memoryview(self._map)
-        # The engine's uint8 tensor of the whole mapping (app.engine.arena_tensor), made once so
-        # that a batch's JPEGs are spans of it rather than a tensor each. No torch here: it is
-        # whatever the engine keeps, and it goes at close.
+        # The engine's uint8 tensor of the whole mapping, with the view that holds it
+        # (app.engine.arena_tensor), made once so that a batch's JPEGs are spans of it rather
+        # than a tensor each. No torch here: it is whatever the engine keeps, and it goes at
+        # close.
         self.tensor: object | None = None
 
     @property

@@ -589,6 +589,7 @@ def main() -> None:
         flush=True,
     )
     rows = []
+    args.logs.mkdir(parents=True, exist_ok=True)
     for name, extra, spec in (
         ("featpool", args.featpool_args, args.points),
         ("naive", args.baseline_args, args.baseline_points),

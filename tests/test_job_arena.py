@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -288,3 +289,30 @@ def test_the_gpu_process_knows_where_in_the_arena_each_image_lies(
         assert capture.seen == [(True, d, d) for d in datas]
     else:
         assert capture.seen == [(False, None, d) for d in datas]
+
+
+def test_the_arenas_tensor_is_held_so_its_spans_need_no_interpreter_lock(
+    mapped: tuple[FrontArena, ArenaView],
+) -> None:
+    """Since torch 2.10 a tensor's Python object gets a reference from C++ when the tensor's
+    count of C++ references goes from 1 to 2, and loses it from 2 to 1, each under the
+    interpreter lock. The one-call decode makes and frees a batch's spans (views) of the
+    arena's tensor with the lock released. Held (``held``), the tensor has that reference for
+    as long as the arena lives, so a span made or freed changes nothing that needs the lock; a
+    tensor not held gets the reference with its first span (the control)."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+        pytest.skip("torch before 2.10 counts C++ references to a tensor without Python")
+    _, view = mapped
+    whole = arena_tensor(view)
+    assert whole is not None
+    before = sys.getrefcount(whole)
+    span = whole[10:20]
+    assert sys.getrefcount(whole) == before
+    del span
+    assert sys.getrefcount(whole) == before
+    bare = torch.frombuffer(view.whole(), dtype=torch.uint8)  # type: ignore[arg-type]
+    before = sys.getrefcount(bare)
+    span = bare[10:20]
+    assert sys.getrefcount(bare) == before + 1
+    del span
+    assert sys.getrefcount(bare) == before

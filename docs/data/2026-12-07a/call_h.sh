@@ -8,7 +8,7 @@
 # $OUT/all.tgz; run call_g.sh after it for the end-to-end rows.
 A=docs/data/2026-12-06b; D=docs/data/2026-12-07a; O=$OUT
 source $A/common.sh
-python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --py-spy-native --logs $O/logs-spy --out $O/e2e-spy.json > $O/e2e-spy.log 2>&1
+mkdir -p $O/logs-spy; python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --py-spy-native --logs $O/logs-spy --out $O/e2e-spy.json > $O/e2e-spy.log 2>&1
 echo "spy row rc=$?"; python3 $A/rows.py $O/e2e-spy.json
 for f in $O/spy/*.txt; do python3 $D/spy_leaves.py $f "" 4 > $O/leaves-$(basename $f); head -80 $O/leaves-$(basename $f); done
 cd $O && tar czf all.tgz e2e-spy.json e2e-spy.log spy leaves-*.txt; date -u
