@@ -300,8 +300,8 @@ def test_the_arenas_tensor_is_held_so_its_spans_need_no_interpreter_lock(
     arena's tensor with the lock released. Held (``held``), the tensor has that reference for
     as long as the arena lives, so a span made or freed changes nothing that needs the lock; a
     tensor not held gets the reference with its first span (the control)."""
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
-        pytest.skip("torch before 2.10 counts C++ references to a tensor without Python")
+    if torch.__version__ < "2.10":  # (a TorchVersion: compared as a version)
+        pytest.skip("before torch 2.10 a tensor's C++ references leave its Python object be")
     _, view = mapped
     whole = arena_tensor(view)
     assert whole is not None

@@ -4,8 +4,8 @@
 # per row (head: this tree; nohold: a copy with held() returning the tensor itself, the control
 # of tests/test_job_arena.py; norm: a copy with normalise-in-call.diff, the normalisation inside
 # the one call). The naive baseline in the first row unless NONAIVE=1. Then the GPU tests that
-# run the arena's spans and the one call, on this tree and (TREE=/tmp/norm) on norm's
-# (TESTS=... to change them). Into $OUT/all.tgz.
+# run the arena's spans and the one call, on this tree and on norm's (TESTS=... to change
+# them). Into $OUT/all.tgz.
 A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
 rm -rf /tmp/nohold && mkdir /tmp/nohold && tar --exclude=./.git --exclude=./.whl --exclude=./.whl-extra --exclude=./scratch -cf - . | tar -xf - -C /tmp/nohold
