@@ -10,5 +10,4 @@ timeout 120 python3 docs/data/2026-12-07c/probe_engine.py 5 64 > $O/probe-engine
 mkdir -p $O/logs-head
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --logs $O/logs-head --out $O/e2e-head.json > $O/e2e-head.log 2>&1
 echo "row head rc=$?"; python3 $A/rows.py $O/e2e-head.json
-timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-2.txt 2>&1; echo "channel rc=$?"; grep -v Warn $O/probe-channel-2.txt | tail -4
 cd $O && tar czf /tmp/all.tgz . && rm -rf $O/* && mv /tmp/all.tgz $O/; date -u
