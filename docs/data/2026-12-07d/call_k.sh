@@ -1,17 +1,17 @@
 #!/bin/bash
 # Twenty-seventh session, for the next device call: the engine fed through the job channel by
-# four front-like child processes, no HTTP (probe_channel.py, 16 a job, c=64), then
-# probe_engine.py (no job channel) and a service row at 16x64 (no naive baseline: a diagnostic,
-# not an issue-17 figure), and one with 64 MB arenas a front instead of 256 (fewer distinct
-# pages under the decoder's copies), all on one machine. Into $OUT/all.tgz.
+# four front-like child processes, no HTTP (probe_channel.py, 16 a job, c=64); a service row at
+# 16x64 (no naive baseline: a diagnostic, not an issue-17 figure); one with 64 MB job arenas a
+# front instead of 256 (fewer distinct pages under the decoder's copies); probe_engine.py (no
+# job channel). All on one machine, into $OUT/all.tgz.
 A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-1.txt 2>&1; echo "channel rc=$?"; grep -v Warn $O/probe-channel-1.txt | tail -4
-timeout 120 python3 docs/data/2026-12-07c/probe_engine.py 5 64 > $O/probe-engine.txt 2>&1; echo "engine rc=$?"; tail -3 $O/probe-engine.txt
 mkdir -p $O/logs-head
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --logs $O/logs-head --out $O/e2e-head.json > $O/e2e-head.log 2>&1
 echo "row head rc=$?"; python3 $A/rows.py $O/e2e-head.json
 mkdir -p $O/logs-arena64
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG --job-arena-bytes 67108864" --logs $O/logs-arena64 --out $O/e2e-arena64.json > $O/e2e-arena64.log 2>&1
 echo "row arena64 rc=$?"; python3 $A/rows.py $O/e2e-arena64.json
+timeout 120 python3 docs/data/2026-12-07c/probe_engine.py 5 64 > $O/probe-engine.txt 2>&1; echo "engine rc=$?"; tail -3 $O/probe-engine.txt
 cd $O && tar czf /tmp/all.tgz . && rm -rf $O/* && mv /tmp/all.tgz $O/; date -u
