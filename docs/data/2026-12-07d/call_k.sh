@@ -1,12 +1,14 @@
 #!/bin/bash
 # Twenty-seventh session, for the next device call: the engine fed through the job channel by
-# four front-like child processes, no HTTP (probe_channel.py, 16 a job, c=64); a service row at
-# 16x64 (no naive baseline: a diagnostic, not an issue-17 figure); one with 64 MB job arenas a
-# front instead of 256 (fewer distinct pages under the decoder's copies); probe_engine.py (no
-# job channel). All on one machine, into $OUT/all.tgz.
+# four front-like child processes, no HTTP (probe_channel.py, 16 a job, c=64; the leases left
+# to their TTL, then each released); a service row at 16x64 (no naive baseline: a diagnostic,
+# not an issue-17 figure); one with 64 MB job arenas a front instead of 256 (fewer distinct
+# pages under the decoder's copies); probe_engine.py (no job channel). All on one machine,
+# into $OUT/all.tgz (~3 min plus the start).
 A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-1.txt 2>&1; echo "channel rc=$?"; grep -v Warn $O/probe-channel-1.txt | tail -4
+RELEASE=1 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-release.txt 2>&1; echo "channel release rc=$?"; grep -v Warn $O/probe-channel-release.txt | tail -4
 mkdir -p $O/logs-head
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --logs $O/logs-head --out $O/e2e-head.json > $O/e2e-head.log 2>&1
 echo "row head rc=$?"; python3 $A/rows.py $O/e2e-head.json

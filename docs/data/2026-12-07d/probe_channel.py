@@ -3,13 +3,16 @@
 child processes that each send encode jobs as a front does (JobClient, the bytes through the
 connection's memfd arena, the header and digest computed in the child), 16 photos a job,
 CONC/4 jobs in flight each, no HTTP. Leases are left to their 2 s TTL, as bench_e2e's clients
-leave them. Prints images/s and the prepare and run stages per batch from the engine's own
-metrics. Against probe_engine.py (~13 ms prepare a batch on an H100) and a service row
-(~17-18 ms): ~17 here puts the service's extra cost in the job channel's work in the GPU
-process; ~13 puts it in the HTTP fronts.
+leave them; with RELEASE=1 each is released through the channel, as probe_engine.py releases
+them, which leaves the pool's reaper (it ends expired leases in passes) nothing to do. Prints
+images/s and the prepare and run stages per batch from the engine's own metrics.
+
+Against probe_engine.py (~13 ms prepare a batch on an H100) and a service row (~17-18 ms):
+~17 here puts the service's extra cost in the GPU process's side of the job channel, or, if
+RELEASE=1 gives ~13, in the reaper's passes; ~13 both ways puts it in the HTTP fronts.
 
     python3 docs/data/2026-12-07d/probe_channel.py [seconds] [concurrency]
-Env: DEVICE=cpu for a smoke run of the mechanics (the numbers then mean nothing)."""
+Env: RELEASE=1 (above); DEVICE=cpu for a smoke run (the numbers then mean nothing)."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from app.settings import Settings  # noqa: E402
 PER = 16
 FRONTS = 4
 DEVICE = os.environ.get("DEVICE", "cuda")
+RELEASE = os.environ.get("RELEASE") == "1"  # release each lease, as probe_engine.py does
 
 
 def settings(sock: Path) -> Settings:
@@ -78,7 +82,10 @@ async def front(sock: Path, seconds: float, tasks: int, first: int) -> None:
             picked = [ready[(i + j) % len(ready)] for j in range(PER)]
             i += PER
             imgs = [ImageIn(f"p{n}", p, h, d) for n, (p, h, d) in enumerate(picked)]
-            await client.encode(imgs, EncodeOptions(ttl_s=2))
+            descs = await client.encode(imgs, EncodeOptions(ttl_s=2))
+            if RELEASE:
+                for d in descs:
+                    await client.release(d.lease_id)
 
     try:
         await asyncio.gather(*(one(first + k) for k in range(tasks)))
