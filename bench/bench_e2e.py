@@ -177,7 +177,12 @@ async def _client(job: ClientJob) -> dict[str, Any]:
 
 def scrape(base: str) -> dict[str, float]:
     """Sums and counts of the server's histograms, to split its time."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return metric_sums(httpx.get(f"{base}/metrics", timeout=10).text)
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """``scrape``'s reading of one /metrics text, stamped with the monotonic clock: the
+    histograms' sums and counts (``{stage}_stage_sum`` for the batch stages), the GC pauses."""
     out: dict[str, float] = {}
     for name in (
         "decode_duration_seconds",

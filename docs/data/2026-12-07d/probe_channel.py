@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as python -m app sets it
 
+from bench_e2e import metric_sums  # noqa: E402
 from make_images import photo_jpeg  # noqa: E402
 
 from app.engine_client import EncodeOptions, ImageIn  # noqa: E402
@@ -93,19 +93,6 @@ async def front(sock: Path, seconds: float, tasks: int, first: int) -> None:
         await client.close()
 
 
-def stages(text: str) -> dict[str, float]:
-    out = {
-        f"{st}_{k}": float(v)
-        for k, st, v in re.findall(
-            r'^featpool_batch_stage_seconds_(sum|count){stage="(\w+)"} (\S+)$', text, re.M
-        )
-    }
-    m = re.search(r"^featpool_batch_size_sum (\S+)$", text, re.M)
-    out["images"] = float(m.group(1)) if m else 0.0
-    out["t"] = time.monotonic()
-    return out
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--front"]:
         sock, seconds, tasks, first = Path(sys.argv[2]), *map(float, sys.argv[3:6])
@@ -140,19 +127,19 @@ def main() -> None:
             for k in range(FRONTS)
         ]
         time.sleep(2.0)  # warm-up: the children start and fill the pipeline
-        marks = [stages(c.get("/metrics").text)]
+        marks = [metric_sums(c.get("/metrics").text)]
         for _ in range(2):
             time.sleep(secs)
-            marks.append(stages(c.get("/metrics").text))
+            marks.append(metric_sums(c.get("/metrics").text))
         for label, (a, b) in zip(("run 1", "run 2"), itertools.pairwise(marks), strict=True):
-            n = b["images"] - a["images"]
+            n = b["batch_size_sum"] - a["batch_size_sum"]
             line = f"{label}: {n / (b['t'] - a['t']):,.0f} images/s"
             for st in ("prepare", "run"):
-                cnt = b.get(f"{st}_count", 0) - a.get(f"{st}_count", 0)
-                took = b.get(f"{st}_sum", 0) - a.get(f"{st}_sum", 0)
+                cnt = b.get(f"{st}_stage_count", 0) - a.get(f"{st}_stage_count", 0)
+                took = b.get(f"{st}_stage_sum", 0) - a.get(f"{st}_stage_sum", 0)
                 if cnt:
                     line += f", {st} {took / cnt * 1e3:.2f} ms a batch"
-            batches = b.get("prepare_count", 0) - a.get("prepare_count", 0)
+            batches = b.get("prepare_stage_count", 0) - a.get("prepare_stage_count", 0)
             if batches:
                 line += f", batch {n / batches:.1f}"
             print(line, flush=True)
