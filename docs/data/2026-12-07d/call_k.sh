@@ -19,7 +19,7 @@ echo "row arena64 rc=$?"; python3 $A/rows.py $O/e2e-arena64.json
 timeout 120 python3 docs/data/2026-12-07c/probe_engine.py 5 64 > $O/probe-engine.txt 2>&1; echo "engine rc=$?"; tail -3 $O/probe-engine.txt
 # Who holds the interpreter lock (py-spy --gil, 200 Hz): the service row at 16x64 again (its
 # 6.5 s window), then the channel probe, to compare the prepare thread's samples per batch.
-mkdir -p $O/logs-spy
+mkdir -p $O/logs-spy $O/spy
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --logs $O/logs-spy --out $O/e2e-spy.json > $O/e2e-spy.log 2>&1
 echo "row spy rc=$?"; python3 $A/rows.py $O/e2e-spy.json
 # The channel probe for 2x10 s; once it is up, py-spy on it (not its fronts) for 12 s.
