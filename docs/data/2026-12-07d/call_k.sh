@@ -11,7 +11,8 @@ source $A/common.sh
 mkdir -p $O/spy $O/logs-spy
 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-1.txt 2>&1 &
 for i in $(seq 100); do grep -q "^device" $O/probe-channel-1.txt && break; sleep 1; done
-sleep 2.5; py-spy record --pid $! --gil --nonblocking --threads --rate 200 --duration 8 --format raw --output $O/spy/channel.txt > /dev/null 2>&1
+P=$(pgrep -n -f "probe_channel.py 5 64"); echo "spy pid $P"
+sleep 2.5; py-spy record --pid $P --gil --nonblocking --threads --rate 200 --duration 8 --format raw --output $O/spy/channel.txt > /dev/null 2>&1
 wait; echo "channel (spied) done"; grep -v Warn $O/probe-channel-1.txt | tail -4
 RELEASE=1 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/probe-channel-release.txt 2>&1; echo "channel release rc=$?"; grep -v Warn $O/probe-channel-release.txt | tail -4
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --logs $O/logs-spy --out $O/e2e-spy.json > $O/e2e-spy.log 2>&1
