@@ -5,7 +5,7 @@
 # left to their 2 s TTL and py-spy --gil on the GPU process (not its fronts) for 8 s of its
 # first window, then each lease released (RELEASE=1); a service row at 16x64 with bench_e2e's
 # --py-spy (no naive baseline: a diagnostic, not an issue-17 figure); probe_engine.py (no job
-# channel). All on one machine, into $OUT/all.tgz (~3-4 min plus the start).
+# channel); on an H200, issue 17's row with its naive baseline. Into $OUT/all.tgz (~3-5 min).
 A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
 mkdir -p $O/spy $O/logs-spy
@@ -18,4 +18,9 @@ RELEASE=1 timeout 120 python3 docs/data/2026-12-07d/probe_channel.py 5 64 > $O/p
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --logs $O/logs-spy --out $O/e2e-spy.json > $O/e2e-spy.log 2>&1
 echo "row spy rc=$?"; python3 $A/rows.py $O/e2e-spy.json
 timeout 120 python3 docs/data/2026-12-07c/probe_engine.py 5 64 > $O/probe-engine.txt 2>&1; echo "engine rc=$?"; tail -3 $O/probe-engine.txt
+# On an H200 only: issue 17's row at 16x64 with the same-run naive baseline, no profiler.
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points raw:1x16 "--baseline-args=$NA" --server-root $PWD "--featpool-args=$FA $BIG" --out $O/e2e-h200.json > $O/e2e-h200.log 2>&1
+  echo "row h200 rc=$?"; python3 $A/rows.py $O/e2e-h200.json
+fi
 cd $O && tar czf /tmp/all.tgz . && rm -rf $O/* && mv /tmp/all.tgz $O/; date -u
