@@ -1,5 +1,5 @@
 #!/bin/bash
-# For the next device call (written in the twenty-seventh session, cut down in the
+# Ran at 15:59 UTC Dec 7 on an H100 (written in the twenty-seventh session, cut down in the
 # twenty-eighth to fit what budget is left): the engine fed through the job channel by four
 # front-like child processes, no HTTP (probe_channel.py, 16 a job, c=64), first with the leases
 # left to their 2 s TTL and py-spy --gil on the GPU process (not its fronts) for 8 s of its
