@@ -33,7 +33,7 @@ mkdir -p $O/spy $O/logs-native
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points= --server-root $PWD "--featpool-args=$FA $BIG" --py-spy $O/spy --py-spy-native --logs $O/logs-native --out $O/e2e-native.json > $O/e2e-native.log 2>&1
 echo "row native rc=$?"; python3 $A/rows.py $O/e2e-native.json
 timeout 100 python3 docs/data/2026-12-07d/probe_channel.py 8 64 > $O/probe-channel-native.txt 2>&1 &
-for i in $(seq 100); do grep -q "^run 1" $O/probe-channel-native.txt && break; sleep 0.5; done
+for i in $(seq 160); do grep -q "^run 1" $O/probe-channel-native.txt && break; sleep 0.5; done
 P=$(pgrep -n -f "probe_channel.py 8 64"); py-spy record --pid $P --native --idle --threads --rate 100 --duration 8 --format raw --output $O/spy/channel-native.txt > /dev/null 2>&1
 wait; grep -h "^run" $O/probe-channel-native.txt
 cd $O && tar czf /tmp/all.tgz . && rm -rf $O/* && mv /tmp/all.tgz $O/; date -u
