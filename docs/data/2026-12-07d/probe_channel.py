@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as python -m app sets it
 
-from bench_e2e import metric_sums  # noqa: E402
+from bench_e2e import delta, metric_sums  # noqa: E402
 from make_images import photo_jpeg  # noqa: E402
 
 from app.engine_client import EncodeOptions, ImageIn  # noqa: E402
@@ -132,16 +133,14 @@ def main() -> None:
             time.sleep(secs)
             marks.append(metric_sums(c.get("/metrics").text))
         for label, (a, b) in zip(("run 1", "run 2"), itertools.pairwise(marks), strict=True):
+            d = delta(a, b)  # bench_e2e's per-batch means of the same metrics
             n = b["batch_size_sum"] - a["batch_size_sum"]
             line = f"{label}: {n / (b['t'] - a['t']):,.0f} images/s"
             for st in ("prepare", "run"):
-                cnt = b.get(f"{st}_stage_count", 0) - a.get(f"{st}_stage_count", 0)
-                took = b.get(f"{st}_stage_sum", 0) - a.get(f"{st}_stage_sum", 0)
-                if cnt:
-                    line += f", {st} {took / cnt * 1e3:.2f} ms a batch"
-            batches = b.get("prepare_stage_count", 0) - a.get("prepare_stage_count", 0)
-            if batches:
-                line += f", batch {n / batches:.1f}"
+                if d["batches"] and not math.isnan(d[f"{st}_ms_per_batch"]):
+                    line += f", {st} {d[f'{st}_ms_per_batch']:.2f} ms a batch"
+            if d["batches"]:
+                line += f", batch {d['mean_batch']:.1f}"
             print(line, flush=True)
         for k in kids:
             print(f"front rc={k.wait(timeout=60)}")
