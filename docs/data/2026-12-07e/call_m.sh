@@ -10,19 +10,7 @@ source $A/common.sh
 timeout 100 python3 docs/data/2026-12-07d/probe_channel.py 8 64 > $O/probe-channel-a.txt 2>&1; grep -h "^run" $O/probe-channel-a.txt
 python3 bench/bench_e2e.py $B --points mp:16x64 --baseline-points raw:1x16 "--baseline-args=$NA" --server-root $PWD "--featpool-args=$FA $BIG" --out $O/e2e-16x64.json > $O/e2e-16x64.log 2>&1
 echo "row rc=$?"; python3 $A/rows.py $O/e2e-16x64.json
-cat > /tmp/tcp.py <<'PY'
-import socket, sys, time, os
-port, secs = int(sys.argv[1]), float(sys.argv[2]); srv = socket.create_server(("127.0.0.1", port))
-if os.fork() == 0:
-    c = socket.create_connection(("127.0.0.1", port)); buf = b"x" * (2 << 20); t = time.time()
-    while time.time() - t < secs: c.sendall(buf)
-    c.close(); os._exit(0)
-conn, _ = srv.accept(); n = 0; t = time.time(); b = bytearray(1 << 20)
-while k := conn.recv_into(b):
-    n += k
-print(port, f"{n / (time.time() - t) / 1e9:.2f} GB/s")
-PY
-for p in 19001 19002 19003 19004; do python3 /tmp/tcp.py $p 45 > $O/tcp-$p.txt 2>&1 & done
+for p in 19001 19002 19003 19004; do python3 docs/data/2026-12-07e/tcp_stream.py $p 45 > $O/tcp-$p.txt 2>&1 & done
 sleep 1; timeout 100 python3 docs/data/2026-12-07d/probe_channel.py 8 64 > $O/probe-channel-tcp4.txt 2>&1; grep -h "^run" $O/probe-channel-tcp4.txt
 wait; cat $O/tcp-*.txt
 timeout 100 python3 docs/data/2026-12-07d/probe_channel.py 8 64 > $O/probe-channel-b.txt 2>&1; grep -h "^run" $O/probe-channel-b.txt
