@@ -1,8 +1,8 @@
 #!/bin/bash
 # Superseded by call_o.sh (its first row is the same measurement). Ran once, at 17:33, and
 # stopped at its check on an H100. Written for the next H200 (twenty-ninth session): issue 17's
-# second target, the 16x64 row with its naive baseline in the same run, twice, the channel probe between them (the machine drifts over
-# minutes, so a reading on each side). ~3 min plus the start; into $OUT.
+# second target, the 16x64 row with its naive baseline in the same run, twice, the channel
+# probe between them (the machine drifts over minutes, so a reading on each side). ~3 min plus the start; into $OUT.
 # It stops at once on any other GPU (the target is an H200's), so that a start on an H100 costs
 # only the start.
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { nvidia-smi -L; echo "not an H200: stopped"; exit 3; }
