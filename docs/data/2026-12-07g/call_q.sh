@@ -9,7 +9,7 @@ A=docs/data/2026-12-06b; O=$OUT
 source $A/common.sh
 declare -A X=([head]="" [b256]="--max-batch-size 256"); i=0
 bl=(--baseline-points raw:1x16 "--baseline-args=$NA")  # the first row only
-for row in b256 head b256 head; do
+for row in ${ROWS:-b256 head b256 head}; do  # ROWS="b256 head" where little budget is left
   i=$((i+1))
   python3 bench/bench_e2e.py $B --points mp:16x64 "${bl[@]}" --server-root $PWD "--featpool-args=$FA $BIG ${X[$row]}" --out $O/e2e-$i-$row.json > $O/e2e-$i-$row.log 2>&1
   echo "$i mp:16x64 $row rc=$?"; python3 $A/rows.py $O/e2e-$i-$row.json
