@@ -37,6 +37,7 @@ from pool.errors import (
     LeaseNotFound,
     LeaseReleased,
     PoolError,
+    SocketInUse,
     StaleLease,
 )
 from pool.featurepool import FeaturePool, lease_slots
@@ -278,7 +279,12 @@ class Engine:
             token=s.socket_token.get_secret_value() if s.socket_token else None,
             limits=self._handoff_limits(),
         )
-        self.server.start()
+        try:
+            self.server.start()
+        except SocketInUse as e:  # a second instance on one machine, most often
+            raise SocketInUse(
+                f"{e}; give this one its own: --socket-path (FEATPOOL_SOCKET_PATH)"
+            ) from e
         self._start_remote()
         if self.device.type == "cuda":  # one per prepare thread, taken for a batch
             for _ in range(s.prepare_threads):

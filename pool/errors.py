@@ -70,6 +70,10 @@ class HandoffError(PoolError):
     type = "handoff_error"
 
 
+class SocketInUse(HandoffError):
+    """Another live server holds the socket path this one was asked to serve."""
+
+
 class PeerRejected(HandoffError):
     """The hand-off server rejected this peer (uid/gid not allowed, or bad token)."""
 

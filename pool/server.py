@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pool import socket_file
-from pool.errors import HandoffError, PoolError
+from pool.errors import HandoffError, PoolError, SocketInUse
 from pool.featurepool import FeaturePool
 from pool.protocol import (
     HEADER_SIZE,
@@ -197,7 +197,7 @@ class HandoffServer:
         except OSError as e:
             raise HandoffError(f"cannot take the socket's lock file: {e}") from e
         if fd is None:
-            raise HandoffError(
+            raise SocketInUse(
                 f"another featpool server is serving {self.path} "
                 f"(it holds {socket_file.lock_path(self.path)})"
             )

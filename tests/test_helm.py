@@ -249,7 +249,8 @@ def test_socket_directory_is_a_host_path_for_consumers(chart: helm.Chart) -> Non
                     "mountPath": "/sock",
                     "prepareDirectory": False,
                     "fileName": "s.sock",
-                }
+                },
+                "updateStrategy": {"type": "Recreate"},
             },
         ),
     )

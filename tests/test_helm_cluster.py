@@ -205,11 +205,38 @@ def test_every_pod_gets_its_own_socket_in_the_node_directory() -> None:
         for i in range(8)
     }
     assert len(paths) == 8 and all(p.startswith("/run/featpool/fp-featpool-6c9-") for p in paths)
-    # A fixed name is still possible (one featpool per node directory).
-    fixed = render(merge(IMAGE, {"socket": {"fileName": "featpool.sock"}}))
+    # A fixed name is still possible where one pod at a time serves a node directory.
+    one_pod = {"socket": {"fileName": "featpool.sock"}, "updateStrategy": {"type": "Recreate"}}
+    fixed = render(merge(IMAGE, one_pod))
     assert (
         container_env(fixed, pod_name="x")["FEATPOOL_SOCKET_PATH"] == "/run/featpool/featpool.sock"
     )
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},  # the default rolling update surges a second pod, perhaps onto the same node
+        {"replicaCount": 3, "updateStrategy": {"type": "Recreate"}},
+        {"kind": "DaemonSet", "updateStrategy": {"rollingUpdate": {"maxSurge": 1}}},
+    ],
+)
+def test_a_fixed_socket_name_two_pods_could_share_is_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmRenderError, match=r"fileName=featpool\.sock gives every pod"):
+        render(merge(merge(IMAGE, {"socket": {"fileName": "featpool.sock"}}), values))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"kind": "DaemonSet"},  # the default rolling update stops the old pod first
+        {"kind": "DaemonSet", "updateStrategy": {"rollingUpdate": {"maxSurge": 0}}},
+        {"replicaCount": 3, "socket": {"volume": "emptyDir"}},  # a directory per pod
+    ],
+)
+def test_a_fixed_socket_name_is_kept_where_no_two_pods_share_it(values: dict[str, Any]) -> None:
+    docs = render(merge(merge(IMAGE, {"socket": {"fileName": "featpool.sock"}}), values))
+    assert container_env(docs, pod_name="x")["FEATPOOL_SOCKET_PATH"].endswith("/featpool.sock")
 
 
 # ---- rollout deadline, autoscaling, model cache ----------------------------------------------

@@ -3,6 +3,7 @@ tier tells consumers."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from app.engine import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.backends.host_shm import HostShmBackend
-from pool.errors import CudaUnavailable
+from pool.errors import CudaUnavailable, SocketInUse
 from pool.featurepool import FeaturePool
+from tests.helpers import small_settings
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU behaviour")
 
@@ -45,6 +47,24 @@ def test_auto_on_cpu_is_a_host_pool(tmp_path: Path) -> None:
     finally:
         for b in backends:
             b.close()
+
+
+def test_a_second_instance_on_a_served_socket_names_the_flag(tmp_path: Path) -> None:
+    """Two services on one machine with the default socket path: the second stops at start-up
+    with the flag that gives it a socket of its own, and the first keeps its socket."""
+    first, second = (Engine(small_settings(tmp_path), Metrics()) for _ in range(2))
+
+    async def scenario() -> None:
+        await first.start()
+        try:
+            with pytest.raises(SocketInUse, match=r"--socket-path \(FEATPOOL_SOCKET_PATH\)"):
+                await second.start()
+            await second.stop()
+            assert first.server is not None and first.server.path.exists()
+        finally:
+            await first.stop()
+
+    asyncio.run(scenario())
 
 
 MiB = 1 << 20
