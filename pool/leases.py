@@ -90,6 +90,11 @@ class LeaseIds:
         self._pool = b""
         self._at = 0
 
+    @classmethod
+    def valid(cls, text: str) -> bool:
+        """Whether ``text`` has the form of an ID (``2 * SIZE`` lowercase hex digits)."""
+        return len(text) == 2 * cls.SIZE and all(ch in "0123456789abcdef" for ch in text)
+
     def next(self) -> str:
         if self._at == len(self._pool):
             self._pool, self._at = os.urandom(self._chunk), 0

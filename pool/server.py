@@ -44,6 +44,7 @@ from typing import Any
 from pool import socket_file
 from pool.errors import HandoffError, PoolError, SocketInUse
 from pool.featurepool import FeaturePool
+from pool.leases import LeaseIds
 from pool.protocol import (
     HEADER_SIZE,
     MAX_FRAME,
@@ -487,10 +488,13 @@ class HandoffServer:
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg["op"]
         lease_id = msg.get("lease_id")
+        # Nothing a peer sent is echoed at length: an answer must fit a frame too.
         if op not in ("lookup", "release", "renew"):
-            return _error("protocol_error", f"unknown op {op!r}")
-        if not isinstance(lease_id, str):
-            return _error("protocol_error", f"'{op}' needs a string 'lease_id'")
+            return _error("protocol_error", f"unknown op {op[:64]!r}")
+        if not isinstance(lease_id, str) or not LeaseIds.valid(lease_id):
+            return _error(
+                "protocol_error", f"'{op}' needs a 'lease_id' of {2 * LeaseIds.SIZE} hex digits"
+            )
         try:
             if op == "lookup":
                 return {"op": "lease", "lease": self.pool.describe(self.pool.get(lease_id)).wire()}

@@ -257,7 +257,7 @@ def test_fuzzing_leaked_no_fd_and_no_consumer(handoff: tuple[FeaturePool, Handof
         hello(s)
         r, w = os.pipe()
         s.sendmsg(
-            [frame(b'{"op": "lookup", "lease_id": "x"}')],
+            [frame(b'{"op": "lookup", "lease_id": "00000000000000000000000000000000"}')],
             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))],
         )
         os.close(r)

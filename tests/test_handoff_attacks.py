@@ -216,10 +216,17 @@ def test_a_large_frame_before_authentication_is_refused_without_reading_it(
     for fd in fds:
         os.close(fd)
     assert msg["op"] == "welcome"
-    # ... and once authenticated, frames up to MAX_FRAME are read.
-    send_msg(c, {"op": "lookup", "lease_id": "x" * (MAX_HELLO_FRAME * 16)})
+    # ... and once authenticated, frames up to MAX_FRAME are read (JSON padded with spaces) ...
+    body = json.dumps({"op": "lookup", "lease_id": "0" * 32}).encode()
+    body = body[:-1] + b" " * (MAX_FRAME - len(body)) + b"}"
+    c.sendall(struct.pack(">I", len(body)) + body)
     reply, _ = recv_msg(c)
     assert reply["type"] == "lease_not_found"
+    # ... and one byte more is refused as soon as it is announced, and the connection closed.
+    c.sendall(struct.pack(">I", MAX_FRAME + 1) + b"{" * 1024)
+    refusal = read_refusal(c)
+    assert refusal["type"] == "protocol_error" and f"exceeds {MAX_FRAME}" in refusal["message"]
+    assert s.refused("protocol_error") == 1
     c.close()
 
 
@@ -327,19 +334,19 @@ def test_descriptors_a_peer_sends_are_closed_by_the_server(
 def test_a_peer_that_does_not_read_its_answers_gets_no_more_read(
     serve: Callable[[str, Limits], Served],
 ) -> None:
-    """100 pipelined requests with ~60 KB answers each, none read for a while: the server holds
-    one pending answer and stops reading the connection (the sender blocks), instead of
-    buffering 6 MB of requests and answers; then every answer arrives, in order."""
+    """20,000 pipelined requests (1.4 MB; 2.2 MB of answers), none read for a while: the server
+    holds one pending answer and stops reading the connection (the sender blocks), instead of
+    buffering every request and answer; then every answer arrives, in order."""
     s = serve("unix", Limits())
     c = s.attach()
-    ids = [f"{i:04d}" + "x" * 60_000 for i in range(100)]
+    ids = [f"{i:032x}" for i in range(20_000)]
     data = b"".join(encode_frame({"op": "lookup", "lease_id": i}) for i in ids)
     sender = threading.Thread(target=c.sendall, args=(data,), daemon=True)
     sender.start()
     time.sleep(1.0)
     assert sender.is_alive(), "the server read every request while its answers piled up"
     (conn,) = s.server._conns
-    assert len(conn.out) < 61_000 and len(conn.inbuf) < 2 * 65536
+    assert len(conn.out) < 200 and len(conn.inbuf) < 2 * 65536  # one answer, one read
     for i in ids:
         reply, _ = recv_msg(c)
         assert reply["type"] == "lease_not_found" and i in reply["message"]
