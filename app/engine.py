@@ -508,14 +508,19 @@ class Engine:
             self._identity_digests[(pooled, dtype)] = ident
         digests = [feature_hash(ident, img.digest or content_digest(img.data)) for img in images]
         names = list(ids) if ids is not None else [None] * len(images)
+        named_as: dict[str, str] = {}
         for name, digest in zip(names, digests, strict=True):
-            if name is not None:
-                self.index.check_id(scope, name, digest)  # 409 before any work
+            if name is None:
+                continue
+            if named_as.setdefault(name, digest) != digest:
+                raise ApiError("id_conflict", f"id {name!r} names two different images")
+            self.index.check_id(scope, name, digest)  # 409 before any work
         out: list[Lease | None] = [None] * len(images)
+        indexed: list[tuple[str, str]] = []  # (hash, lease id) this request put in the index
         try:
             if self.index.max_entries > 0:
                 for i, digest in enumerate(digests):
-                    lease = self._reuse(scope, digest, ttl_s, names[i])
+                    lease = self._reuse(scope, digest, ttl_s)
                     if lease is not None:
                         out[i] = named(lease, digest, True)
             todo = [i for i, lease in enumerate(out) if lease is None]
@@ -525,25 +530,29 @@ class Engine:
                 )
                 for i, lease in zip(todo, leases, strict=True):
                     out[i] = named(lease, digests[i], False)
-                    if self.index.max_entries > 0:
-                        self.index.add(
-                            scope,
-                            digests[i],
-                            lease.id,
-                            shape=lease.shape,
-                            dtype=lease.dtype,
-                            client_id=names[i],
-                        )
+            # Indexed once every lease is in `out`: a 409 here (another request bound an id
+            # meanwhile) releases them all, and takes this request's entries out again.
+            for i, made in enumerate(out):
+                if made is not None and self.index.max_entries > 0:
+                    self.index.add(
+                        scope,
+                        digests[i],
+                        made.id,
+                        shape=made.shape,
+                        dtype=made.dtype,
+                        client_id=names[i],
+                    )
+                    indexed.append((digests[i], made.id))
         except BaseException:
+            for digest, lease_id in indexed:
+                self.index.forget_lease(scope, digest, lease_id)
             for made in out:
                 if made is not None:
                     self.release_quietly(made.id)
             raise
         return [lease for lease in out if lease is not None]
 
-    def _reuse(
-        self, scope: str, digest: str, ttl_s: float | None, client_id: str | None = None
-    ) -> Lease | None:
+    def _reuse(self, scope: str, digest: str, ttl_s: float | None) -> Lease | None:
         """A new lease on a copy of the indexed features, or None (counted as a miss)."""
         assert self.pool is not None
         _, candidates = self.index.candidates(scope, digest)
@@ -553,9 +562,6 @@ class Engine:
             except (LeaseExpired, LeaseReleased, LeaseNotFound, StaleLease):
                 self.index.forget_lease(scope, digest, lease_id)
                 continue
-            self.index.add(
-                scope, digest, lease.id, shape=lease.shape, dtype=lease.dtype, client_id=client_id
-            )
             self.index.count(hit=True)
             return lease
         self.index.count(hit=False)
@@ -620,6 +626,7 @@ class Engine:
             raise ApiError(
                 "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
             )
+        self.index.add(scope, digest, lease.id, shape=lease.shape, dtype=lease.dtype)
         return named(lease, digest, True)
 
     def _prepare(self, img: ImageIn, size: int | None) -> Job:

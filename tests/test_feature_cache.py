@@ -297,3 +297,49 @@ def test_an_id_taken_by_a_request_that_finished_first_is_refused_when_binding(
     assert r.status_code == 409 and r.json()["error"]["type"] == "id_conflict"
     assert occupancy(c) == used  # the refused request's lease went back
     assert c.get("/v1/features/same").json()["feature_hash"] == first["feature_hash"]
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["new", "resident"])
+def test_one_id_for_two_images_of_a_request_is_refused_and_leaks_nothing(
+    make_client: Callable[..., TestClient], resident: bool
+) -> None:
+    """ids x, x, y on three different images: 409 before any work, whether the images are new
+    or their features already resident (cache hits copy leases); no lease is left behind and
+    neither id is bound to anything."""
+    c = make_client()
+    images = [CAT, DOG, OWL]
+    if resident:
+        for data in images:
+            assert upload(c, data).status_code == 200
+    before, n = occupancy(c), encoded(c)
+    files = [("image", (f"{i}.img", data, "image/jpeg")) for i, data in enumerate(images)]
+    r = c.post("/v1/encode", files=files, data={"id": ["x", "x", "y"]})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "id_conflict", r.text
+    assert occupancy(c) == before and encoded(c) == n
+    for ref in ("x", "y"):
+        assert c.get(f"/v1/features/{ref}").status_code == 404
+    # The same image twice under one id is one name for one image: served.
+    twice = [("image", ("a.jpg", CAT, "image/jpeg"))] * 2
+    r = c.post("/v1/encode", files=twice, data={"id": ["cat", "cat"]})
+    assert r.status_code == 200 and len(r.json()["items"]) == 2
+
+
+def test_a_request_refused_when_binding_releases_every_lease_and_binds_no_id(
+    make_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three images, the second id taken by a request that finished first: every lease of the
+    refused request goes back (not only those made before the refusal), and the ids it named
+    are free again."""
+    c = make_client()
+    engine = c.app.state.engine  # type: ignore[attr-defined]
+    other = image_bytes("JPEG", size=(40, 30), seed=4)
+    upload(c, other, "?id=taken")
+    monkeypatch.setattr(engine.index, "check_id", lambda *a: None)  # as if both passed it
+    used = occupancy(c)
+    files = [("image", (f"{i}.img", d, "image/jpeg")) for i, d in enumerate([CAT, DOG, OWL])]
+    r = c.post("/v1/encode", files=files, data={"id": ["a", "taken", "b"]})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "id_conflict", r.text
+    assert occupancy(c) == used
+    monkeypatch.undo()
+    assert c.get("/v1/features/a").status_code == 404
+    assert upload(c, DOG, "?id=a").status_code == 200  # `a` names nothing: free for DOG
