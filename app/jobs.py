@@ -629,16 +629,16 @@ class JobClient(EngineClient):
                     await conn.writer.drain()
                 except ConnectionError as e:
                     raise ApiError("not_ready", f"the GPU process went away ({e})") from e
-            try:
-                # Shielded: a cancelled caller (the client hung up) leaves the answer to come
-                # (or just come) in, and its leases are given back when it does.
-                status, body, headers, out = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                op = str(header["op"])
-                fut.add_done_callback(lambda f: self._give_back(conn, op, f))
-                raise
+            # Shielded: a cancelled caller (the client hung up) leaves the answer to come
+            # (or just come) in, and its leases are given back when it does.
+            status, body, headers, out = await asyncio.shield(fut)
             if self._metrics is not None and header.get("op") == "encode":
                 self._metrics.front_job_seconds.observe(time.perf_counter() - started)
+        except asyncio.CancelledError:
+            if sent:  # in drain() or waiting: the answer comes all the same
+                op = str(header["op"])
+                fut.add_done_callback(lambda f: self._give_back(conn, op, f))
+            raise
         finally:
             if not sent:  # no answer will come (a sent job's is taken off by the read loop)
                 conn.waiting.pop(job, None)

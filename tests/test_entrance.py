@@ -493,3 +493,43 @@ def test_an_answer_that_comes_as_its_request_is_cancelled_gives_its_leases_back(
         asyncio.run(scenario())
         assert sum(pool.stats()["created"].values()) == 1
         assert wait_until(lambda: pool.stats()["leases_active"] == 0, 5), pool.stats()
+
+
+def test_a_request_cancelled_while_its_job_drains_gives_its_leases_back(tmp_path: Path) -> None:
+    """The client hangs up while the front still waits for its job to drain to the GPU process
+    (a large upload, a full socket buffer): the job is on its way and will be answered, so its
+    lease must go back when the answer comes, not live until its TTL of an hour."""
+    settings = small_settings(tmp_path, http_workers=1, feature_cache_entries=0)
+    with live_server(settings) as live:
+        jobs_path, _ = channel_paths(settings.socket_path)
+        header = inspect(JPEG, max_pixels=10**8, max_bytes=1 << 30)
+        pool = live.app.state.engine.pool
+
+        async def scenario() -> None:
+            client = JobClient(jobs_path)
+            try:
+                assert (await client.health()).ready  # connected
+                assert client._conn is not None
+                writer = client._conn.writer
+                real_drain, drained = writer.drain, asyncio.Event()
+
+                async def stalled_once() -> None:  # as a full transport buffer would
+                    await real_drain()
+                    if not drained.is_set():
+                        drained.set()
+                        await asyncio.sleep(3600)
+
+                writer.drain = stalled_once  # type: ignore[method-assign]
+                options = EncodeOptions(ttl_s=3600.0)
+                request = asyncio.create_task(client.encode([ImageIn("x", JPEG, header)], options))
+                await drained.wait()
+                request.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await request
+                await asyncio.sleep(0.5)  # the answer comes, the discard goes out
+            finally:
+                await client.close()
+
+        asyncio.run(scenario())
+        assert sum(pool.stats()["created"].values()) == 1
+        assert wait_until(lambda: pool.stats()["leases_active"] == 0, 5), pool.stats()
