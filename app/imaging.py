@@ -69,12 +69,19 @@ def image_limits(s: Settings) -> ImageLimits:
     )
 
 
+def media_type(content_type: str | None) -> str:
+    """The media type of a Content-Type header, without parameters; case-insensitive (RFC 9110
+    8.3.1), so lowercased."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def check_content_type(content_type: str | None, what: str = "body") -> None:
-    ct = (content_type or "").split(";")[0].strip().lower()
+    ct = media_type(content_type)
     if ct not in ACCEPTED_CONTENT_TYPES:
         raise ApiError(
             "unsupported_media_type",
-            f"{what} has content type {ct!r}; send one of {', '.join(sorted(FORMATS.values()))}",
+            f"{what} has content type {ct!r}; send one of "
+            f"{', '.join(sorted(set(FORMATS.values())))}",
         )
 
 

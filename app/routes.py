@@ -31,7 +31,14 @@ from app.engine_client import (
 )
 from app.errors import ApiError
 from app.featindex import check_id, content_digest, scope_of
-from app.imaging import Header, check_content_type, image_limits, inspect, request_decoded_bytes
+from app.imaging import (
+    Header,
+    check_content_type,
+    image_limits,
+    inspect,
+    media_type,
+    request_decoded_bytes,
+)
 from app.metrics import HttpMetrics, Metrics
 from app.settings import Settings
 from pool.descriptor import MIN_TTL_S, EncodeResponse, FeatureInfo, LeaseDescriptor
@@ -151,7 +158,7 @@ async def encode(
     s: Settings = request.app.state.settings
     ctype = request.headers.get("content-type", "")
     ids: list[str | None] | None = None
-    if ctype.startswith("multipart/form-data"):
+    if media_type(ctype) == "multipart/form-data":
         images, form_ids = await _multipart_images(request, s)
         if form_ids:
             if id is not None:

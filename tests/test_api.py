@@ -34,6 +34,31 @@ def test_encode_multipart_jpeg_and_png(make_client: Callable[..., TestClient]) -
     assert occupancy(c) == (2 * 17 * 64 * 4, 2)  # 4352 bytes each, already 256-aligned
 
 
+def test_media_types_are_case_insensitive_and_matched_whole(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """RFC 9110: a media type's type and subtype are case-insensitive. An upper-case multipart
+    Content-Type (and part type) is served; a media type that merely starts like multipart's
+    is not multipart."""
+    c = make_client()
+    body = (
+        b"--BB\r\n"
+        b'Content-Disposition: form-data; name="image"; filename="a.jpg"\r\n'
+        b"Content-Type: IMAGE/JPEG\r\n\r\n" + JPEG + b"\r\n--BB--\r\n"
+    )
+    r = c.post(
+        "/v1/encode", content=body, headers={"content-type": "Multipart/Form-Data; boundary=BB"}
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["items"]) == 1
+    r = c.post(
+        "/v1/encode", content=body, headers={"content-type": "multipart/form-dataX; boundary=BB"}
+    )
+    assert r.status_code == 415 and r.json()["error"]["type"] == "unsupported_media_type"
+    message = r.json()["error"]["message"]
+    assert message.count("image/jpeg") == 1, message  # each accepted type named once
+
+
 def test_encode_raw_body_and_tensor_endpoint(make_client: Callable[..., TestClient]) -> None:
     c = make_client()
     r = c.post("/v1/encode?ttl_s=30", content=JPEG, headers={"content-type": "image/jpeg"})
