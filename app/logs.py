@@ -25,13 +25,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+# Control characters a message may carry from a client (a request path, a file name), escaped
+# in plain lines so that none can end the line and start a forged one. Tabs stay.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127] if c != 9} | {10: "\\n", 13: "\\r"}
+
+
+class LineFormatter(logging.Formatter):
+    """One line per message: ``time level logger: message``, its control characters escaped
+    (a traceback, added after the message, keeps its lines)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = record.message.translate(_ESCAPES)
+        return super().formatMessage(record)
+
+
 def setup(level: str = "INFO", json_lines: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if json_lines
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if json_lines else LineFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.logs import JsonFormatter
+from app.logs import JsonFormatter, LineFormatter
 from tests.conftest import image_bytes
 
 TINY = ("a.jpg", image_bytes("JPEG", size=(8, 8)), "image/jpeg")
@@ -157,6 +157,21 @@ def test_json_log_lines_carry_the_request_id(
     line = json.loads(JsonFormatter().format(record))
     assert line["request_id"] == "rid-42" and line["status"] == 200
     assert line["level"] == "INFO" and "/v1/pool" in line["message"]
+
+
+def test_a_path_cannot_forge_a_plain_log_line(
+    make_client: Callable[..., TestClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request path with an encoded line break (%0A) is logged decoded; in a plain line it
+    is escaped, so it cannot end the line and start a forged one."""
+    c = make_client()
+    forged = "x%0A2026-12-07 00:00:00,000 INFO app.access: DELETE /v1/leases/y -> 204 in 1.0 ms"
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        assert c.get(f"/v1/leases/{forged}").status_code == 404
+    record = next(r for r in caplog.records if r.name == "app.access")
+    assert "\n" in record.getMessage()  # the middleware logs the decoded path
+    line = LineFormatter().format(record)
+    assert "\n" not in line and "x\\n2026-12-07" in line, line
 
 
 def test_startup_line_lists_changed_settings_and_capabilities(
