@@ -312,6 +312,32 @@ def test_delete_of_an_opened_lease_quarantines_it_until_the_reader_detaches(
     assert pool.stats()["tiers"][0]["used_bytes"] == 0
 
 
+def test_another_consumers_release_ends_the_lease_but_not_its_readers_bytes(
+    served: tuple[FeaturePool, HandoffServer, FakeClock],
+) -> None:
+    """docs/security.md: an admitted consumer that knows a lease's ID can end it with the
+    socket's `release`, as a DELETE would; a consumer that has it open keeps reading its own
+    bytes (quarantine) while the pool hands out more leases, and then sees it ended."""
+    pool, server, _ = served
+    lease = pool.put(torch.ones(1024))
+    with (
+        FeatureClient.connect(server.path) as reader,
+        FeatureClient.connect(server.path) as other,
+    ):
+        desc = pool.describe(lease).wire()
+        view = reader.open(desc)
+        # the protocol's own request (FeatureClient.release acks instead, as a reader should)
+        assert other._request({"op": "release", "lease_id": lease.id})["op"] == "released"
+        with pytest.raises(LeaseReleased):
+            pool.get(lease.id)
+        assert pool.stats()["quarantined_leases"] == 1
+        others = [pool.put(torch.full((1024,), 2.0)) for _ in range(3)]
+        assert torch.equal(view, torch.ones(1024))
+        assert not reader.is_current(desc)
+        for o in others:
+            pool.release(o.id)
+
+
 def test_quarantine_ends_at_its_limit_for_a_reader_that_never_acks(tmp_path: Path) -> None:
     clock = FakeClock()
     pool = FeaturePool([HostShmBackend([SLAB])], max_leases=4, quarantine_s=30, clock=clock)
