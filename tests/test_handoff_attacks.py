@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import pool.server as pool_server
 from app.metrics import Metrics
 from pool.backends.host_shm import HostShmBackend
 from pool.client import FeatureClient
@@ -465,6 +466,43 @@ def test_refused_peers_are_counted_and_take_no_connection_slot(tmp_path: Path) -
                 assert read_refusal(c)["type"] == "peer_rejected"
         assert pool.stats()["handoff_refused"] == {"unix": {"peer_not_allowed": 5}}
         assert server.connections == 0
+    finally:
+        server.close()
+        pool.close()
+
+
+def test_a_refused_peer_does_not_displace_a_pending_consumer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uid/gid are checked before the connection cap: at the cap, a peer of a foreign uid is
+    refused without displacing the allowed consumer that has not said hello yet (checked the
+    other way round, every refused peer would evict one)."""
+    pool = FeaturePool([HostShmBackend([MiB])])
+    server = HandoffServer(
+        pool, tmp_path / "s.sock", limits=Limits(auth_timeout_s=60, max_connections=1)
+    )
+    server.start()
+    try:
+        pending = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pending.settimeout(10)
+        pending.connect(str(server.path))
+        assert wait_until(lambda: server.connections == 1, 5)
+        real = pool_server.peer_credentials
+        monkeypatch.setattr(
+            pool_server, "peer_credentials", lambda s: (*real(s)[:1], os.getuid() + 4242, 4242)
+        )
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(10)
+                c.connect(str(server.path))
+                assert read_refusal(c)["type"] == "peer_rejected"
+        send_msg(pending, {"op": "hello", "version": PROTOCOL_VERSION})
+        welcome, fds = recv_msg(pending, want_fds=True)
+        for fd in fds:
+            os.close(fd)
+        assert welcome["op"] == "welcome"
+        assert pool.stats()["handoff_refused"] == {"unix": {"peer_not_allowed": 3}}
+        pending.close()
     finally:
         server.close()
         pool.close()
