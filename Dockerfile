@@ -4,7 +4,11 @@
 #
 #   docker build -t featpool:0.1.0 .                                          # CUDA 12.8
 #   docker build --build-arg CUDA_VERSION=13.0.0 -t featpool:0.1.0-cuda13.0 .  # CUDA 13.0
+#   sudo install -d -m 1770 -o 10001 -g 10001 /run/featpool  # the socket directory, the image's uid
 #   docker run --gpus all -p 8000:8000 -v /run/featpool:/run/featpool featpool:0.1.0
+#
+# (Docker would create a missing /run/featpool root-owned, where the service, uid 10001, cannot
+# make its socket: start-up then fails with a PermissionError naming the socket's lock file.)
 #
 # One build argument, CUDA_VERSION, picks both the base image (nvidia/cuda:<CUDA_VERSION>-runtime)
 # and the lock file requirements/cuda-<major.minor>.txt: torch, torchvision and cuda-bindings
