@@ -323,6 +323,23 @@ def test_every_setting_is_configurable(chart: helm.Chart) -> None:
     assert set(data) == expected
 
 
+@pytest.mark.parametrize(
+    ("values", "device"),
+    [
+        ({}, "cuda"),  # a GPU from the device plugin: auto would fall back to the CPU silently
+        ({"dra": {"gpu": {"enabled": True}}, "gpu": {"count": 0}}, "cuda"),
+        ({"gpu": {"count": 0}}, "auto"),  # no GPU asked for: auto means what it says
+        ({"config": {"device": "cpu"}}, "cpu"),
+        ({"config": {"device": "cuda:0"}}, "cuda:0"),
+    ],
+)
+def test_auto_device_on_a_pod_with_a_gpu_is_cuda(
+    chart: helm.Chart, values: dict[str, Any], device: str
+) -> None:
+    data = one(render(chart, merge(IMAGE, values)), "ConfigMap")["data"]
+    assert data["FEATPOOL_DEVICE"] == device
+
+
 def test_default_settings_parse_in_the_service(
     chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
