@@ -340,6 +340,18 @@ def test_auto_device_on_a_pod_with_a_gpu_is_cuda(
     assert data["FEATPOOL_DEVICE"] == device
 
 
+def test_a_stopping_pod_serves_on_while_it_leaves_the_endpoints(chart: helm.Chart) -> None:
+    """Without a preStop delay the port closes at SIGTERM while the Service still routes to
+    the pod; with one, the pod serves on until the endpoints controller has taken it out."""
+    assert container(render(chart, IMAGE))["lifecycle"]["preStop"]["exec"]["command"] == [
+        "sleep",
+        "5",
+    ]
+    assert "lifecycle" not in container(render(chart, merge(IMAGE, {"drainDelaySeconds": 0})))
+    with pytest.raises(helm.HelmRenderError, match="must be less than terminationGrace"):
+        render(chart, merge(IMAGE, {"drainDelaySeconds": 30}))
+
+
 def test_default_settings_parse_in_the_service(
     chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
