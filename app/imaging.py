@@ -293,21 +293,32 @@ def to_rgb_as_transformers(im: Image.Image) -> Image.Image:
 
 def _to_8bit(im: Image.Image) -> Image.Image:
     """16-bit and 32-bit integer grey as 8-bit grey: 16-bit scaled by 255/65535 (exactly
-    ``v // 257``, in integers: no float copy of a large image), 32-bit by its maximum."""
+    ``v // 257``, in integers), 32-bit by its maximum. In strips of about STRIP_BYTES: a
+    whole-image array would be several copies of the image (a float64 one: 8 bytes a pixel,
+    twice what the decoded-bytes budget counts for 32-bit grey)."""
     if im.mode.startswith("I;16"):
-        # In strips of about STRIP_BYTES: numpy's view of a whole image would copy it twice.
         w, h = im.size
         out = np.empty((h, w), np.uint8)
-        rows = max(1, STRIP_BYTES // (2 * w))
-        for y in range(0, h, rows):
-            strip = np.asarray(im.crop((0, y, w, min(h, y + rows))), dtype=np.uint16)
-            out[y : y + rows] = strip // 257
+        for top, bottom in _strips(w, h, 2):
+            strip = np.asarray(im.crop((0, top, w, bottom)), dtype=np.uint16)
+            out[top:bottom] = strip // 257
         return Image.fromarray(out, "L")
     if im.mode == "I":
-        arr = np.asarray(im, dtype=np.float64)
-        hi = max(float(arr.max()), 1.0)
-        return Image.fromarray((arr / hi * 255.0).clip(0, 255).astype(np.uint8), "L")
+        w, h = im.size
+        strips = _strips(w, h, 8)
+        hi = max(1.0, *(float(np.asarray(im.crop((0, a, w, b))).max()) for a, b in strips))
+        out = np.empty((h, w), np.uint8)
+        for top, bottom in strips:
+            strip = np.asarray(im.crop((0, top, w, bottom)), dtype=np.float64)
+            out[top:bottom] = (strip / hi * 255.0).clip(0, 255).astype(np.uint8)
+        return Image.fromarray(out, "L")
     return im
+
+
+def _strips(width: int, height: int, sample_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of about STRIP_BYTES of ``sample_bytes`` samples each."""
+    rows = max(1, STRIP_BYTES // (sample_bytes * width))
+    return [(top, min(height, top + rows)) for top in range(0, height, rows)]
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

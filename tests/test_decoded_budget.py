@@ -6,6 +6,7 @@ kept close to that count."""
 from __future__ import annotations
 
 import io
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
 
 import app.engine
+import app.imaging
 from app.imaging import decode, decoded_bytes, inspect
 from bench.make_images import png16, upscaled_photo
 from tests.conftest import occupancy
@@ -70,13 +72,26 @@ def _old_decode(data: bytes, size: int) -> np.ndarray:
     if im.mode.startswith("I;16"):
         arr = np.asarray(im, dtype=np.float64)
         im = Image.fromarray((arr / 65535.0 * 255.0).clip(0, 255).astype(np.uint8), "L")
+    elif im.mode == "I":
+        arr = np.asarray(im, dtype=np.float64)
+        hi = max(float(arr.max()), 1.0)
+        im = Image.fromarray((arr / hi * 255.0).clip(0, 255).astype(np.uint8), "L")
     rgb = ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BICUBIC)
     return np.asarray(rgb).transpose(2, 0, 1)
 
 
-@pytest.mark.parametrize("kind", ["grey16", "rgb16", "grey8", "rgb8"])
-def test_leaner_decode_gives_the_same_pixels(kind: str) -> None:
-    if kind.endswith("16"):
+def grey32(side: int) -> bytes:
+    """A 32-bit integer grey TIFF (Pillow mode I) of a real photo, spread over ~2**24."""
+    arr = np.asarray(Image.fromarray(skimage.data.camera()).resize((side, side)), np.int32)
+    return saved(Image.fromarray(arr * 65793), "TIFF")
+
+
+@pytest.mark.parametrize("kind", ["grey16", "rgb16", "grey8", "rgb8", "grey32"])
+def test_leaner_decode_gives_the_same_pixels(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app.imaging, "STRIP_BYTES", 64 << 10)  # several strips
+    if kind == "grey32":
+        data = grey32(517)
+    elif kind.endswith("16"):
         data = png16(upscaled_photo(517, grey=kind == "grey16"))
     else:
         im = Image.fromarray(skimage.data.camera() if kind == "grey8" else skimage.data.coffee())
@@ -84,6 +99,22 @@ def test_leaner_decode_gives_the_same_pixels(kind: str) -> None:
     want = _old_decode(data, 64)
     got = decode(data, 64, **LIMITS).numpy()
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["grey16", "grey32"])
+def test_deep_grey_is_narrowed_in_strips(kind: str) -> None:
+    """16- and 32-bit grey become 8-bit without a whole-image working array: numpy's peak
+    during the decode stays near one strip (STRIP_BYTES) and the 8-bit result, not the
+    several float64 copies of the image (~130 MB for this 2400 x 2400 image) it once was."""
+    side = 2400
+    data = png16(upscaled_photo(side, grey=True)) if kind == "grey16" else grey32(side)
+    tracemalloc.start()
+    try:
+        decode(data, 32, **LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * app.imaging.STRIP_BYTES + side * side, f"{peak / 1e6:.1f} MB"
 
 
 # ---- through the HTTP stack ------------------------------------------------------------------
