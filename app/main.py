@@ -84,6 +84,7 @@ def create_app(
                 gpu_uuid=published_gpu_uuid(settings, engine.device),
                 device=engine.device.type,
                 transport=engine.caps.transport,
+                http=settings.advertised_url(),
             )
         except BaseException:
             await engine.stop()

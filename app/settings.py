@@ -156,6 +156,13 @@ class Settings(BaseSettings):
         "on CUDA the device's own UUID is published and a different value here stops start-up; "
         "on CPU (host tier only) this configured value is what consumers ask for",
     )
+    advertise_host: str | None = Field(
+        None,
+        description="address (IP or name) at which processes on this node reach this instance's "
+        "HTTP port; published with the port in the socket directory's index (`http`), so a "
+        "consumer that finds its GPU's socket also finds the HTTP API that leases on that "
+        "pool (the chart sets the pod's IP)",
+    )
     fabric_listen: str | None = Field(
         None,
         description="HOST:PORT where consumers on other NVLink nodes attach over TCP "
@@ -293,6 +300,22 @@ class Settings(BaseSettings):
         if v is not None:
             parse_host_port(v)  # ValueError says what is expected
         return v
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _check_advertise_host(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip("[]") or any(c in v for c in "/ @?#")):
+            raise ValueError(
+                "advertise_host must be an IP address or a host name, no scheme or port"
+            )
+        return v
+
+    def advertised_url(self) -> str | None:
+        """``http://host:port`` from advertise_host (an IPv6 address in brackets), or None."""
+        if self.advertise_host is None:
+            return None
+        host = self.advertise_host.strip("[]")
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def fabric_address(self) -> tuple[str, int] | None:
         return None if self.fabric_listen is None else parse_host_port(self.fabric_listen)

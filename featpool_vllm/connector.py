@@ -74,6 +74,33 @@ class FeaturePoolECMetadata(ECConnectorMetadata):
     freed: list[str] = field(default_factory=list)  # identifiers vLLM evicted
 
 
+def featpool_endpoints(extra: dict[str, Any], device: torch.device) -> tuple[str, str | None]:
+    """(HTTP address, hand-off socket) of the featpool this engine reads from. Given as ``url``
+    and ``socket``; or found in the socket directory's index (``socket_dir``, with
+    ``gpu_uuid``, else this engine's CUDA device; ``owner_uids``): the entry of that GPU names
+    its socket and its HTTP address, so both ends are the same featpool even where a Service
+    balances HTTP over several (a lease is only mapped through its own server's socket)."""
+    if "socket_dir" not in extra and "gpu_uuid" not in extra:
+        return str(extra.get("url", DEFAULT_URL)), extra.get("socket")
+    from pool.discovery import find
+
+    uuid = extra.get("gpu_uuid")
+    index = device.index if uuid is None and device.type == "cuda" else None
+    entry = find(
+        extra.get("socket_dir"),
+        gpu_uuid=uuid,
+        cuda_index=index,
+        owner_uids=extra.get("owner_uids"),
+    )
+    url = extra.get("url") or entry.http
+    if url is None:
+        raise ValueError(
+            f"featpool's entry {entry.path} names no HTTP address (start it with "
+            "--advertise-host, as the chart does); or give 'url'"
+        )
+    return str(url), extra.get("socket") or str(entry.socket)
+
+
 def lease_path(identifier: str) -> str:
     """The featpool route that leases the features vLLM knows as ``identifier``: vLLM's
     multimodal identifier is featpool's feature hash or client id, unchanged."""
@@ -97,8 +124,11 @@ class FeaturePoolECConnector(ECConnectorBase):
                 "(tensor/pipeline parallelism): run vLLM with TP=1 and PP=1"
             )
         extra: dict[str, Any] = dict(vllm_config.ec_transfer_config.ec_connector_extra_config)
-        self.url = str(extra.get("url", DEFAULT_URL)).rstrip("/")
-        self.socket = extra.get("socket")
+        self._device = torch.device(extra.get("device") or vllm_config.device_config.device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        url, self.socket = featpool_endpoints(extra, self._device)
+        self.url = url.rstrip("/")
         self.ttl_s = float(extra.get("lease_ttl_s", DEFAULT_TTL_S))
         self.expect_dtype: str | None = extra.get("dtype")  # refuse features of another dtype
         api_key = extra.get("api_key")
@@ -114,9 +144,6 @@ class FeaturePoolECConnector(ECConnectorBase):
         self._client: FeatureClient | None = None
         self._open: dict[str, dict[str, Any]] = {}  # identifier -> descriptor, in the cache
         self._pending_free: set[str] = set()
-        self._device = torch.device(extra.get("device") or vllm_config.device_config.device)
-        if self._device.type == "cuda" and self._device.index is None:
-            self._device = torch.device("cuda", torch.cuda.current_device())
         model = vllm_config.model_config
         self._dtype: torch.dtype | None = getattr(model, "dtype", None) if model else None
 
@@ -190,7 +217,8 @@ class FeaturePoolECConnector(ECConnectorBase):
         if self._client is None:
             if not self.socket:
                 raise ValueError(
-                    "ec_connector_extra_config needs 'socket': featpool's hand-off socket path"
+                    "ec_connector_extra_config needs 'socket' (featpool's hand-off socket path) "
+                    "or 'socket_dir' (and 'gpu_uuid' off CUDA) to find it in the index"
                 )
             device = self._device if self._device.type == "cuda" else None
             self._client = FeatureClient.connect(self.socket, token=self._token, device=device)

@@ -7,7 +7,7 @@ socket, e.g. ``/run/featpool/fp-featpool-7d9c-x2k.sock.json``. An entry is one J
 
     {"featpool_index": 1, "socket": "fp-featpool-7d9c-x2k.sock", "gpu_uuid": "GPU-8a3c...",
      "device": "cuda", "transport": "cuda_vmm", "instance": "fp-featpool-7d9c-x2k",
-     "pid": 1, "started_at": 1764750000.0}
+     "pid": 1, "started_at": 1764750000.0, "http": "http://10.0.3.17:8000"}
 
 ``socket`` is a file name in the same directory (each pod may mount the directory elsewhere).
 An entry is written to a temporary name and renamed into place, so a reader never sees half of
@@ -88,6 +88,7 @@ class Entry:
     pid: int
     started_at: float
     owner_uid: int = -1  # of the entry file, from the kernel
+    http: str | None = None  # the server's HTTP API as processes on the node reach it
 
     @classmethod
     def parse(cls, path: Path, data: dict[str, Any], owner_uid: int = -1) -> Entry:
@@ -105,6 +106,7 @@ class Entry:
             pid=int(data.get("pid", 0)),
             started_at=float(data["started_at"]),
             owner_uid=owner_uid,
+            http=data["http"] if isinstance(data.get("http"), str) else None,
         )
 
 
@@ -149,6 +151,7 @@ def publish(
     device: str,
     transport: str,
     instance: str | None = None,
+    http: str | None = None,
 ) -> Publication:
     """Write this server's entry beside ``socket_path`` and hold its lock until ``close``.
 
@@ -169,6 +172,8 @@ def publish(
         "pid": os.getpid(),
         "started_at": time.time(),
     }
+    if http is not None:
+        body["http"] = http
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
     try:

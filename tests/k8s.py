@@ -67,6 +67,7 @@ def container_env(
     container: str = "featpool",
     *,
     pod_name: str,
+    pod_ip: str = "10.0.3.17",
     secrets: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of ``container`` in the rendered workload's pod named ``pod_name``."""
@@ -74,7 +75,7 @@ def container_env(
     spec = work["spec"]["template"]["spec"]
     c = next(c for c in spec["containers"] if c["name"] == container)
     configmaps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
-    fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE}
+    fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE, "status.podIP": pod_ip}
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
         env.update(configmaps[source["configMapRef"]["name"]])

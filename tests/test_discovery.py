@@ -21,7 +21,8 @@ from pool.client import FeatureClient
 from pool.discovery import NoFeatpool
 from pool.featurepool import FeaturePool
 from pool.server import HandoffServer
-from tests.helpers import ROOT
+from tests.conftest import image_bytes
+from tests.helpers import ROOT, server_process
 
 GPU_A = "GPU-1f6e2c9a-0b1d-4e55-9a43-7c1d2e3f4a5b"
 GPU_B = "GPU-8a3c0d11-22e4-4f60-b7a8-0c9d8e7f6a5b"
@@ -70,6 +71,7 @@ def test_published_entry_is_found_with_what_the_server_said(tmp_path: Path) -> N
         assert entry.socket == sock
         assert entry.gpu_uuid == GPU_A  # one spelling: nvidia-smi's
         assert (entry.device, entry.transport, entry.instance) == ("cuda", "cuda_vmm", sock.stem)
+        assert entry.http is None  # not advertised
         # torch writes the UUID without the prefix; upper case from other tools: all match.
         for asked in (GPU_A, GPU_A.upper(), GPU_A.removeprefix("GPU-")):
             assert discovery.find(tmp_path, gpu_uuid=asked).socket == sock
@@ -243,3 +245,27 @@ def test_an_entry_planted_by_another_uid_is_refused_when_asked(tmp_path: Path) -
                 discovery.find(tmp_path, gpu_uuid=GPU_A, owner_uids=[12345])
         finally:
             planted.close()
+
+
+def test_the_entry_names_the_http_api_whose_leases_its_socket_maps(tmp_path: Path) -> None:
+    """A service started with --advertise-host publishes its HTTP address in its entry: a
+    consumer that finds its GPU's socket leases by hash at that address and maps the lease
+    through that socket (two servers behind one balanced address could not promise that)."""
+    import httpx
+
+    sock = tmp_path / "fp-a.sock"
+    args = ("--gpu-uuid", GPU_A, "--advertise-host", "127.0.0.1")
+    with server_process(sock, tmp_path / "server.log", *args) as (url, _):
+        entry = discovery.find(tmp_path, gpu_uuid=GPU_A)
+        assert entry.socket == sock and entry.http == url
+        r = httpx.post(
+            f"{entry.http}/v1/encode",
+            content=image_bytes("JPEG", size=(40, 30), seed=7),
+            headers={"content-type": "image/jpeg"},
+        )
+        ref = r.json()["items"][0]["feature_hash"]
+        lease = httpx.post(f"{entry.http}/v1/features/{ref}/lease").json()
+        with FeatureClient.for_gpu(tmp_path, gpu_uuid=GPU_A) as client:
+            features = client.open(lease)
+            assert features.shape == tuple(lease["shape"])
+            client.release(lease["lease_id"])

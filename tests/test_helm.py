@@ -49,6 +49,7 @@ KUBE_VERSION = "1.34.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ComputeDomain", "ScaledObject"}
 # Settings the chart derives from other values rather than from `config`.
 CHART_MANAGED_SETTINGS = {
+    "advertise_host",
     "host",
     "port",
     "socket_path",
@@ -358,6 +359,8 @@ def test_default_settings_parse_in_the_service(
     s = container_settings(render(chart, IMAGE), monkeypatch)
     assert s.host == "0.0.0.0" and s.port == 8000
     assert str(s.socket_path) == "/run/featpool/fp-featpool-5f9c-x2k.sock"
+    # The socket's entry names this pod's HTTP API, not the Service (which balances over pods).
+    assert s.advertised_url() == "http://10.0.3.17:8000"
     assert s.gpu_uuid is None
     assert s.pool_bytes == 1 << 30  # not 1.073741824e+09
     assert s.slab_bytes == 128 << 20

@@ -315,3 +315,24 @@ def test_fabric_listen_serves_remote_consumers_with_the_token(tmp_path: Path) ->
         assert eng.fabric_server is not None
         eng.fabric_server.close()
         eng.pool.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("10.0.3.17", "http://10.0.3.17:8123"),
+        ("fd00::17", "http://[fd00::17]:8123"),  # a pod IP of an IPv6 cluster
+        ("[fd00::17]", "http://[fd00::17]:8123"),
+        ("featpool-0.featpool", "http://featpool-0.featpool:8123"),
+    ],
+)
+def test_the_advertised_http_address(tmp_path: Path, host: str, url: str) -> None:
+    s = Settings(advertise_host=host, port=8123, socket_path=tmp_path / "s")
+    assert s.advertised_url() == url
+    assert Settings(socket_path=tmp_path / "s").advertised_url() is None
+
+
+@pytest.mark.parametrize("host", ["", "http://10.0.3.17", "10.0.3.17/x", "a b", "u@h"])
+def test_an_advertised_host_with_a_scheme_or_a_path_is_refused(tmp_path: Path, host: str) -> None:
+    with pytest.raises(ValueError, match="advertise_host must be an IP address or a host name"):
+        Settings(advertise_host=host, socket_path=tmp_path / "s")

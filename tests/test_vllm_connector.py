@@ -61,7 +61,10 @@ def vllm_python() -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
-def test_connector_against_real_vllm_and_featpool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("found", [False, True], ids=["configured", "found-in-the-index"])
+def test_connector_against_real_vllm_and_featpool(tmp_path: Path, found: bool) -> None:
+    """configured: url and socket given. found-in-the-index: only the socket directory and a
+    GPU UUID; the server's entry names its socket and (--advertise-host) its HTTP address."""
     python = vllm_python()
     from skimage import data
 
@@ -70,7 +73,9 @@ def test_connector_against_real_vllm_and_featpool(tmp_path: Path) -> None:
     Image.fromarray(data.astronaut()).save(buf, "PNG")
     image.write_bytes(buf.getvalue())
     sock = tmp_path / "featpool.sock"
-    with server_process(sock, tmp_path / "server.log") as (url, _):
+    uuid = "GPU-1f6e2c9a-0b1d-4e55-9a43-7c1d2e3f4a5b"
+    args = ("--gpu-uuid", uuid, "--advertise-host", "127.0.0.1") if found else ()
+    with server_process(sock, tmp_path / "server.log", *args) as (url, _):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
         env["VLLM_NO_USAGE_STATS"] = "1"
         r = subprocess.run(
@@ -80,6 +85,7 @@ def test_connector_against_real_vllm_and_featpool(tmp_path: Path) -> None:
                 url,
                 str(sock),
                 str(image),
+                *([uuid] if found else []),
             ],
             cwd=ROOT,
             env=env,

@@ -1,13 +1,16 @@
 """Runs in the vLLM test environment (tests/test_vllm_connector.py makes it): vLLM's own config,
 connector factory, request and scheduler-output types and its V2 GPU model runner's connector
 driver (ActiveECConnector, with its EncoderCache) exercise featpool_vllm's connector against a
-real featpool server on the host tier. Usage: drive_connector.py URL SOCKET. Exits non-zero on
-the first failed check."""
+real featpool server on the host tier. Usage: drive_connector.py URL SOCKET IMAGE [GPU_UUID]:
+with GPU_UUID the connector is given only the socket directory and that UUID, and finds the
+server's socket and HTTP address in the directory's index. Exits non-zero on the first failed
+check."""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -26,6 +29,7 @@ from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache
 from featpool_vllm.connector import FeaturePoolECConnector
 
 URL, SOCKET = sys.argv[1], sys.argv[2]
+GPU_UUID = sys.argv[4] if len(sys.argv) > 4 else None
 http = httpx.Client(base_url=URL, timeout=30)
 
 
@@ -93,7 +97,11 @@ config = VllmConfig(
         ec_connector="FeaturePoolECConnector",
         ec_connector_module_path="featpool_vllm.connector",
         ec_role="ec_consumer",
-        ec_connector_extra_config={"url": URL, "socket": SOCKET, "lease_ttl_s": 120},
+        ec_connector_extra_config=(
+            {"url": URL, "socket": SOCKET, "lease_ttl_s": 120}
+            if GPU_UUID is None
+            else {"socket_dir": str(Path(SOCKET).parent), "gpu_uuid": GPU_UUID, "lease_ttl_s": 120}
+        ),
     ),
 )
 
@@ -101,6 +109,10 @@ config = VllmConfig(
 sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
 check(type(sched) is FeaturePoolECConnector, "vLLM's factory loads the connector by module path")
 check(isinstance(sched, ECConnectorBase) and sched.is_consumer, "it is an ECConnectorBase consumer")
+check(
+    (sched.url, sched.socket) == (URL, SOCKET),
+    "its featpool: as configured, or found by GPU in the socket directory's index",
+)
 ec_transfer_state.ensure_ec_transfer_initialized(config)
 cache = EncoderCache()
 runner = ActiveECConnector(config, cache.encoder_outputs)  # what the GPU model runner uses
