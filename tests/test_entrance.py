@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -445,60 +446,15 @@ def test_a_lease_answered_to_a_front_that_went_away_is_released(tmp_path: Path) 
         assert wait_until(lambda: pool.stats()["leases_active"] == 1, 5), pool.stats()
 
 
-def test_an_answer_that_comes_as_its_request_is_cancelled_gives_its_leases_back(
-    tmp_path: Path,
+Start = Callable[[], "asyncio.Task[Any]"]
+
+
+def cancelled_encode_gives_its_lease_back(
+    tmp_path: Path, hang_up: Callable[[JobClient, Start], Awaitable[None]]
 ) -> None:
-    """The client hangs up in the very loop turn its answer comes in: the front's read loop has
-    handed the answer over, and the request is cancelled before it reads it. The answer's
-    lease goes back at once instead of living until its TTL of an hour."""
-    settings = small_settings(tmp_path, http_workers=1, feature_cache_entries=0)
-    with live_server(settings) as live:
-        jobs_path, _ = channel_paths(settings.socket_path)
-        header = inspect(JPEG, max_pixels=10**8, max_bytes=1 << 30)
-        pool = live.app.state.engine.pool
-
-        async def scenario() -> None:
-            client = JobClient(jobs_path)
-            try:
-                assert (await client.health()).ready  # connected
-                request: asyncio.Task[Any] | None = None
-
-                class Answered:  # the read loop's hold on the request's future
-                    def __init__(self, fut: asyncio.Future[Any]) -> None:
-                        self.fut = fut
-
-                    def done(self) -> bool:
-                        return self.fut.done()
-
-                    def set_result(self, answer: Any) -> None:
-                        self.fut.set_result(answer)
-                        assert request is not None
-                        request.cancel()  # the hang-up, in the same turn
-
-                class Waiting(dict[int, Any]):
-                    def pop(self, job: int, default: Any = None) -> Any:
-                        fut = super().pop(job, default)
-                        return Answered(fut) if fut is not None else None
-
-                assert client._conn is not None
-                client._conn.waiting = Waiting()
-                options = EncodeOptions(ttl_s=3600.0)
-                request = asyncio.create_task(client.encode([ImageIn("x", JPEG, header)], options))
-                with pytest.raises(asyncio.CancelledError):
-                    await request
-                await asyncio.sleep(0.2)  # the discard goes out
-            finally:
-                await client.close()
-
-        asyncio.run(scenario())
-        assert sum(pool.stats()["created"].values()) == 1
-        assert wait_until(lambda: pool.stats()["leases_active"] == 0, 5), pool.stats()
-
-
-def test_a_request_cancelled_while_its_job_drains_gives_its_leases_back(tmp_path: Path) -> None:
-    """The client hangs up while the front still waits for its job to drain to the GPU process
-    (a large upload, a full socket buffer): the job is on its way and will be answered, so its
-    lease must go back when the answer comes, not live until its TTL of an hour."""
+    """A front's JobClient, connected to a live server, hands ``hang_up`` a way to start one
+    encode (its lease's TTL an hour), which ``hang_up`` cancels as a client's hang-up would:
+    the lease must go back at once, not live until its TTL."""
     settings = small_settings(tmp_path, http_workers=1, feature_cache_entries=0)
     with live_server(settings) as live:
         jobs_path, _ = channel_paths(settings.socket_path)
@@ -510,22 +466,13 @@ def test_a_request_cancelled_while_its_job_drains_gives_its_leases_back(tmp_path
             try:
                 assert (await client.health()).ready  # connected
                 assert client._conn is not None
-                writer = client._conn.writer
-                real_drain, drained = writer.drain, asyncio.Event()
-
-                async def stalled_once() -> None:  # as a full transport buffer would
-                    await real_drain()
-                    if not drained.is_set():
-                        drained.set()
-                        await asyncio.sleep(3600)
-
-                writer.drain = stalled_once  # type: ignore[method-assign]
                 options = EncodeOptions(ttl_s=3600.0)
-                request = asyncio.create_task(client.encode([ImageIn("x", JPEG, header)], options))
-                await drained.wait()
-                request.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await request
+                await hang_up(
+                    client,
+                    lambda: asyncio.create_task(
+                        client.encode([ImageIn("x", JPEG, header)], options)
+                    ),
+                )
                 await asyncio.sleep(0.5)  # the answer comes, the discard goes out
             finally:
                 await client.close()
@@ -533,3 +480,62 @@ def test_a_request_cancelled_while_its_job_drains_gives_its_leases_back(tmp_path
         asyncio.run(scenario())
         assert sum(pool.stats()["created"].values()) == 1
         assert wait_until(lambda: pool.stats()["leases_active"] == 0, 5), pool.stats()
+
+
+def test_an_answer_that_comes_as_its_request_is_cancelled_gives_its_leases_back(
+    tmp_path: Path,
+) -> None:
+    """The client hangs up in the very loop turn its answer comes in: the front's read loop has
+    handed the answer over, and the request is cancelled before it reads it."""
+
+    async def in_the_answers_turn(client: JobClient, start: Start) -> None:
+        request: list[asyncio.Task[Any]] = []
+
+        class Answered:  # the read loop's hold on the request's future
+            def __init__(self, fut: asyncio.Future[Any]) -> None:
+                self.fut = fut
+
+            def done(self) -> bool:
+                return self.fut.done()
+
+            def set_result(self, answer: Any) -> None:
+                self.fut.set_result(answer)
+                request[0].cancel()  # the hang-up, in the same turn
+
+        class Waiting(dict[int, Any]):
+            def pop(self, job: int, default: Any = None) -> Any:
+                fut = super().pop(job, default)
+                return Answered(fut) if fut is not None else None
+
+        assert client._conn is not None
+        client._conn.waiting = Waiting()
+        request.append(start())
+        with pytest.raises(asyncio.CancelledError):
+            await request[0]
+
+    cancelled_encode_gives_its_lease_back(tmp_path, in_the_answers_turn)
+
+
+def test_a_request_cancelled_while_its_job_drains_gives_its_leases_back(tmp_path: Path) -> None:
+    """The client hangs up while the front still waits for its job to drain to the GPU process
+    (a large upload, a full socket buffer): the job is on its way and will be answered."""
+
+    async def while_it_drains(client: JobClient, start: Start) -> None:
+        assert client._conn is not None
+        writer = client._conn.writer
+        real_drain, drained = writer.drain, asyncio.Event()
+
+        async def stalled_once() -> None:  # as a full transport buffer would
+            await real_drain()
+            if not drained.is_set():
+                drained.set()
+                await asyncio.sleep(3600)
+
+        writer.drain = stalled_once  # type: ignore[method-assign]
+        request = start()
+        await drained.wait()
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+    cancelled_encode_gives_its_lease_back(tmp_path, while_it_drains)
