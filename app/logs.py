@@ -26,19 +26,21 @@ class JsonFormatter(logging.Formatter):
 
 
 # Control characters a message may carry from a client (a request path, a file name), escaped
-# in plain lines so that none can end the line and start a forged one. Tabs stay.
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127] if c != 9} | {10: "\\n", 13: "\\r"}
+# in plain lines; tabs stay, and line breaks are kept but indented (below).
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127] if c not in (9, 10)} | {13: "\\r"}
 
 
 class LineFormatter(logging.Formatter):
-    """One line per message: ``time level logger: message``, its control characters escaped
-    (a traceback, added after the message, keeps its lines)."""
+    """``time level logger: message``. A message's further lines (a traceback uvicorn logs as
+    its message, or a line break a client put in a path) are indented: only a record starts a
+    line at column 0, so nothing in a message can pass for a record of its own. Other control
+    characters are escaped."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
-        record.message = record.message.translate(_ESCAPES)
+        record.message = record.message.translate(_ESCAPES).replace("\n", "\n    ")
         return super().formatMessage(record)
 
 

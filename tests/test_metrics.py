@@ -162,16 +162,18 @@ def test_json_log_lines_carry_the_request_id(
 def test_a_path_cannot_forge_a_plain_log_line(
     make_client: Callable[..., TestClient], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A request path with an encoded line break (%0A) is logged decoded; in a plain line it
-    is escaped, so it cannot end the line and start a forged one."""
+    """A request path with an encoded line break (%0A) is logged decoded; in a plain log its
+    second line is indented, so it cannot pass for a record of its own; a carriage return,
+    which would move a terminal back over the real line, is escaped."""
     c = make_client()
-    forged = "x%0A2026-12-07 00:00:00,000 INFO app.access: DELETE /v1/leases/y -> 204 in 1.0 ms"
+    forged = "x%0D%0A2026-12-07 00:00:00,000 INFO app.access: DELETE /v1/leases/y -> 204 in 1 ms"
     with caplog.at_level(logging.INFO, logger="app.access"):
         assert c.get(f"/v1/leases/{forged}").status_code == 404
     record = next(r for r in caplog.records if r.name == "app.access")
     assert "\n" in record.getMessage()  # the middleware logs the decoded path
-    line = LineFormatter().format(record)
-    assert "\n" not in line and "x\\n2026-12-07" in line, line
+    first, *rest = LineFormatter().format(record).split("\n")
+    assert first.endswith("/v1/leases/x\\r") and "\r" not in first, first
+    assert len(rest) == 1 and rest[0].startswith("    2026-12-07 00:00:00,000 INFO"), rest
 
 
 def test_startup_line_lists_changed_settings_and_capabilities(
