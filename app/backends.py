@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from app.settings import Settings
+from pool import socket_file
 from pool.backends.base import Backend
 from pool.backends.host_shm import HostShmBackend
-from pool.errors import CudaUnavailable, HandoffError
+from pool.errors import CudaUnavailable, HandoffError, SocketInUse
 from pool.featurepool import check_welcome_fds
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ def preflight(settings: Settings) -> torch.device:
     """The device the settings ask for, or CudaUnavailable naming the flag to change: checked
     before the server starts, so a wrong flag is one clear line, not a traceback."""
     device = resolve_device(settings)
+    if socket_file.served(settings.socket_path):
+        raise SocketInUse(
+            f"another featpool server is serving {settings.socket_path}; give this one its "
+            "own: --socket-path (FEATPOOL_SOCKET_PATH)"
+        )
     if settings.transport == "cuda_vmm":
         _vmm_needs_cuda(device)
     if settings.fabric_listen is not None:

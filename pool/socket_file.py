@@ -54,6 +54,21 @@ def try_lock(path: Path) -> int | None:
     raise OSError(f"could not take {lock}: its holders keep releasing and retaking it")
 
 
+def served(path: Path) -> bool:
+    """Whether a live server holds ``<path>.lock`` now (a check before starting one, for a
+    clear message; the start itself takes the lock and is what decides)."""
+    if not path.parent.is_dir():
+        return False
+    try:
+        fd = try_lock(path)
+    except OSError:  # not ours to judge: the start reports it
+        return False
+    if fd is None:
+        return True
+    unlock(path, fd)
+    return False
+
+
 def unlock(path: Path, fd: int) -> None:
     """Release a lock taken by ``try_lock``; its file is removed while still held."""
     try:

@@ -16,6 +16,7 @@ from app.engine import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from pool.backends.host_shm import HostShmBackend
+from pool.client import FeatureClient
 from pool.errors import CudaUnavailable, SocketInUse
 from pool.featurepool import FeaturePool
 from tests.helpers import small_settings
@@ -252,6 +253,34 @@ def test_cli_refuses_impossible_flags_in_one_line(
     assert r.returncode == 1
     assert named in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_second_service_on_a_served_socket_stops_in_one_line_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    """`make serve` twice on one machine: the second stops before loading anything, with one
+    line naming --socket-path, and the first keeps serving its socket."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, server_process
+
+    sock = tmp_path / "featpool.sock"
+    with server_process(sock, tmp_path / "first.log"):
+        r = subprocess.run(
+            [sys.executable, "-m", "app", "--device", "cpu", "--socket-path", str(sock)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 1
+        assert r.stderr.strip() == (
+            f"featpool: another featpool server is serving {sock}; give this one its own: "
+            "--socket-path (FEATPOOL_SOCKET_PATH)"
+        )
+        with FeatureClient.connect(sock) as client:
+            assert client.epoch
 
 
 def test_fabric_listen_must_be_host_and_port(tmp_path: Path) -> None:
