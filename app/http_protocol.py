@@ -47,6 +47,11 @@ MALFORMED = (
 LINGER_S = 2.0
 
 
+# Requests a connection may have waiting behind the one being answered (HTTP/1.1 pipelining);
+# each is a parsed request held in memory. Clients rarely pipeline at all.
+MAX_PIPELINED = 16
+
+
 class _LimitExceeded(Exception):
     pass
 
@@ -106,6 +111,12 @@ def http_protocol(settings: Settings) -> type[Any]:
 
         def on_headers_complete(self) -> None:
             self._disarm_head_timer()
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._refuse(
+                    429,
+                    "queue_full",
+                    f"more than {MAX_PIPELINED} requests pipelined on one connection, unanswered",
+                )
             super().on_headers_complete()
 
         def on_url(self, url: bytes) -> None:
@@ -142,6 +153,10 @@ def http_protocol(settings: Settings) -> type[Any]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # starts the next pipelined request, if any
+            if self.pipeline:
+                # uvicorn resumed reading: each read would parse a socket buffer's worth of
+                # requests more into the queue than one answer took out of it.
+                self.flow.pause_reading()
             done = self.cycle is None or self.cycle.response_complete
             if self._deferred is not None and done and not self.pipeline:
                 answer, self._deferred = self._deferred, None

@@ -249,3 +249,25 @@ def test_a_request_pipelined_before_a_malformed_one_gets_its_own_answer_first(
         lease = httpx.get(f"{url}/v1/leases/{item['lease_id']}", timeout=10)
         assert lease.status_code == 200  # the client holds it, and can give it back
         assert httpx.delete(f"{url}/v1/leases/{item['lease_id']}", timeout=10).status_code == 204
+
+
+@pytest.mark.parametrize("where", ["server", "fronts_server"])
+def test_a_deep_pipeline_is_answered_in_order_then_refused_and_closed(
+    request: pytest.FixtureRequest, where: str
+) -> None:
+    """200 requests pipelined at once (a few KB on the wire): each queued one is a parsed
+    request held in memory, and uvicorn parsed a socket buffer's worth more after every
+    answer (an audit held ~2 GB this way). At most MAX_PIPELINED wait behind the one being
+    answered: those are answered in order, then one 429 and the connection is closed."""
+    from app.http_protocol import MAX_PIPELINED
+
+    _, port, _ = request.getfixturevalue(where)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 200)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    got = responses(out)
+    statuses = [status for status, _ in got]
+    assert statuses[-1] == 429 and json_error(got[-1][1])["type"] == "queue_full"
+    assert set(statuses[:-1]) == {200} and MAX_PIPELINED < len(statuses) - 1 < 200, statuses
