@@ -48,6 +48,7 @@ EXIF_ORIENTATION = 0x0112
 # An image's bytes: an upload's, or behind front processes a view of the job arena
 # (app/job_arena.py) or of a job frame's payload.
 ImageData = bytes | memoryview
+MAX_JPEG_SCANS = 100
 STRIP_BYTES = 4 << 20  # working copies of a 16-bit image are made this much at a time
 
 
@@ -163,6 +164,17 @@ def _open(
     im = Image.open(io.BytesIO(data))
     if im.format not in FORMATS:
         raise ApiError("unsupported_media_type", f"{label} is {im.format}; send {NAMES}")
+    if im.format in ("JPEG", "MPO"):
+        # Every scan of a progressive JPEG is decoded over the whole image: a few KB of repeated
+        # scans cost seconds of CPU each. 0xFF 0xDA is a start-of-scan marker wherever it is
+        # (entropy-coded data stuffs every 0xFF), an EXIF thumbnail's scans included.
+        scans = (data if isinstance(data, bytes) else bytes(data)).count(b"\xff\xda")
+        if scans > MAX_JPEG_SCANS:
+            raise ApiError(
+                "invalid_image",
+                f"{label} has {scans} scans; more than {MAX_JPEG_SCANS} are refused (a "
+                "progressive JPEG has about 10)",
+            )
     w, h = im.size
     if w <= 0 or h <= 0:
         raise ApiError("invalid_image", f"{label} has no pixels ({w}x{h})")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import skimage.data
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -181,6 +182,20 @@ def _pixel_flood() -> bytes:
 
 
 CORPUS.append(("1-bit 20000x20000 pixel flood", _pixel_flood(), 413, "image_too_large"))
+
+
+def _progressive(repeat_last_scan: int = 1) -> bytes:
+    """A real photo as a progressive JPEG; its last scan repeated: each repeat costs a pass
+    over the whole image in the decoder for a few bytes on the wire (a scan bomb)."""
+    buf = io.BytesIO()
+    Image.fromarray(skimage.data.astronaut()).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    last, end = data.rindex(b"\xff\xda"), data.rindex(b"\xff\xd9")
+    return data[:last] + data[last:end] * repeat_last_scan + data[end:]
+
+
+CORPUS.append(("progressive jpeg", _progressive(), 200, None))
+CORPUS.append(("progressive jpeg, last scan 400 times", _progressive(400), 400, "invalid_image"))
 
 
 @pytest.fixture(scope="module")
