@@ -43,6 +43,10 @@ def endpoint_label(path: str) -> str:
     return "other"
 
 
+# Bodies of routes other than /v1/encode (a renew's {"ttl_s": ...}): 64 KiB is ample.
+SMALL_BODY_BYTES = 64 << 10
+
+
 class _BodyTooLargeError(Exception):
     pass
 
@@ -75,6 +79,10 @@ class ServiceMiddleware:
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         endpoint = endpoint_label(scope["path"])
+        # Only uploads are large; every other body is a small JSON object, parsed on the
+        # event loop: a body cap's worth of JSON there would stall every request for a second.
+        limit = self.max_body_bytes if scope["path"] == "/v1/encode" else SMALL_BODY_BYTES
+        limit = min(limit, self.max_body_bytes)
         started = time.perf_counter()
         status = 500
         response_started = False
@@ -119,7 +127,7 @@ class ServiceMiddleware:
                 message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
+                if received > limit:
                     raise _BodyTooLargeError
                 if not message.get("more_body", False) and watcher is None:
                     watcher = asyncio.get_running_loop().create_task(watch_for_hang_up())
@@ -127,7 +135,7 @@ class ServiceMiddleware:
 
         try:
             length = headers.get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            if length is not None and length.isdigit() and int(length) > limit:
                 raise _BodyTooLargeError
             if (
                 scope["method"] not in _SAFE_METHODS
@@ -153,7 +161,8 @@ class ServiceMiddleware:
             await _send_error(
                 send_wrapper,
                 "payload_too_large",
-                f"request body exceeds {self.max_body_bytes} bytes",
+                f"request body exceeds {limit} bytes"
+                + ("" if limit == self.max_body_bytes else f" (the limit of {scope['path']})"),
             )
         except _BodyTimeoutError:
             if response_started:

@@ -214,6 +214,27 @@ def test_oversized_body_is_refused(make_client: Callable[..., TestClient]) -> No
     assert occupancy(c) == (0, 0)
 
 
+def test_only_uploads_may_be_large(make_client: Callable[..., TestClient]) -> None:
+    """Every body but an upload's is a small JSON object, parsed on the event loop: a renew
+    carrying megabytes of JSON is refused as it arrives (an audit stalled every request for
+    up to a second a request this way), while an upload of the same size is served."""
+    from app.middleware import SMALL_BODY_BYTES
+
+    c = make_client()
+    big = image_bytes("PNG", size=(200, 200))
+    assert len(big) > SMALL_BODY_BYTES
+    r = c.post("/v1/encode", content=big, headers={"content-type": "image/png"})
+    assert r.status_code == 200, r.text
+    lease = r.json()["items"][0]["lease_id"]
+    junk = b"[" + b"{}," * (2 * SMALL_BODY_BYTES // 3) + b"{}]"
+    r = c.post(f"/v1/leases/{lease}/renew", content=junk)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "payload_too_large"
+    assert f"/v1/leases/{lease}/renew" in r.json()["error"]["message"]
+    r = c.post(f"/v1/leases/{lease}/renew", json={"ttl_s": 30})
+    assert r.status_code == 200, r.text
+    assert c.delete(f"/v1/leases/{lease}").status_code == 204
+
+
 def test_oversized_single_image_and_too_many_parts(make_client: Callable[..., TestClient]) -> None:
     c = make_client(max_image_bytes=2000, max_images_per_request=2)
     r = c.post(
