@@ -102,8 +102,14 @@ class Header:
 def decoded_bytes(im: Image.Image) -> int:
     """What decoding ``im`` yields, from its header: width x height x channels x bytes per
     sample. A palette counts as the RGB(A) it becomes; a 16-bit file as 2 bytes per sample
-    even where Pillow keeps 8 of them (16-bit RGB PNG); 1-bit as a byte."""
+    even where Pillow keeps 8 of them (16-bit RGB PNG); 1-bit as a byte. Where the decoder
+    itself holds more than that, its peak: a WebP 16 bytes a pixel (Pillow decodes it through
+    libwebp's animation decoder: an RGBA canvas, the previous frame's, a copy of the frame and
+    the image; measured ~15), a progressive JPEG twice its pixels (libjpeg keeps every
+    coefficient of the whole image until the last scan)."""
     w, h = im.size
+    if im.format == "WEBP":
+        return w * h * 16
     mode = im.mode
     if mode == "P":
         channels = 4 if "transparency" in im.info else 3
@@ -120,7 +126,8 @@ def decoded_bytes(im: Image.Image) -> int:
         tile = getattr(im, "tile", None)
         raw = tile[0].args if tile else None
         sample = 2 if isinstance(raw, str) and ";16" in raw else 1
-    return w * h * channels * sample
+    progressive = im.format in ("JPEG", "MPO") and bool(im.info.get("progressive"))
+    return w * h * channels * sample * (2 if progressive else 1)
 
 
 def request_decoded_bytes(headers: Sequence[Header], limit: int) -> int:

@@ -6,8 +6,11 @@ kept close to that count."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ import app.imaging
 from app.imaging import decode, decoded_bytes, inspect
 from bench.make_images import png16, upscaled_photo
 from tests.conftest import occupancy
+from tests.helpers import ROOT
 
 LIMITS: dict[str, Any] = {"max_pixels": 40_000_000, "max_bytes": 64 << 20}
 
@@ -46,6 +50,8 @@ def photo(side: int = 300) -> Image.Image:
         ("1-bit png", saved(photo().convert("1")), 1),
         ("grey 16-bit png", png16(upscaled_photo(300, grey=True)), 2),
         ("rgb 16-bit png", png16(upscaled_photo(300)), 6),
+        ("webp: the decoder's four RGBA copies", saved(photo(), "WEBP"), 16),
+        ("progressive jpeg: its coefficients too", saved(photo(), "JPEG", progressive=True), 6),
     ],
 )
 def test_decoded_bytes_from_the_header(name: str, data: bytes, per_pixel: int) -> None:
@@ -62,6 +68,57 @@ def test_one_image_over_its_decoded_limit_is_413_before_decode() -> None:
             f(data, **LIMITS, max_decoded_bytes=539_999)
         assert e.value.status == 413 and e.value.type == "image_too_large"
         assert "decodes to 540000 bytes" in e.value.message
+
+
+PEAK = """
+import sys, threading
+import torch  # imported by the decode's last step: not part of what is measured
+from app.imaging import decode, inspect
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+data = open(sys.argv[1], "rb").read()
+limits = dict(max_pixels=10**8, max_bytes=1 << 30)
+counted = inspect(data, **limits).decoded_bytes
+base, peak, done = rss(), [0], threading.Event()
+
+def watch():  # the resident set, every millisecond (ru_maxrss is the import's high-water mark)
+    while not done.wait(0.001):
+        peak[0] = max(peak[0], rss())
+
+t = threading.Thread(target=watch)
+t.start()
+decode(data, 224, **limits)
+done.set()
+t.join()
+print((max(peak[0], rss()) - base) / counted)
+"""
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options"),
+    [("WEBP", {"quality": 80}), ("JPEG", {"progressive": True, "quality": 90, "subsampling": 0})],
+)
+def test_the_decode_peaks_near_what_is_counted(
+    tmp_path: Path, fmt: str, options: dict[str, Any]
+) -> None:
+    """The admission budget is only as good as the count: a fresh process's peak resident
+    memory for one decode of a 2400 x 2400 photo stays within 1.25x of its decoded bytes (a
+    WebP peaked at 5x and a 4:4:4 progressive JPEG at 2x of width x height x 3, an audit
+    found). (An 8-bit PNG peaks at ~1.5x: Pillow keeps RGB as 4 bytes a pixel.)"""
+    path = tmp_path / "photo"
+    path.write_bytes(saved(photo(2400), fmt, **options))
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK, str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert float(r.stdout) < 1.25, f"{fmt}: peak {float(r.stdout):.2f}x the count"
 
 
 def _old_decode(data: bytes, size: int) -> np.ndarray:
