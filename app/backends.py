@@ -62,15 +62,17 @@ def split_slabs(total: int, slab: int) -> list[int]:
     return sizes
 
 
+def socket_in_use(why: str) -> SocketInUse:
+    """A second instance on one machine, most often: the flag that gives it a socket."""
+    return SocketInUse(f"{why}; give this one its own: --socket-path (FEATPOOL_SOCKET_PATH)")
+
+
 def preflight(settings: Settings) -> torch.device:
     """The device the settings ask for, or CudaUnavailable naming the flag to change: checked
     before the server starts, so a wrong flag is one clear line, not a traceback."""
     device = resolve_device(settings)
     if socket_file.served(settings.socket_path):
-        raise SocketInUse(
-            f"another featpool server is serving {settings.socket_path}; give this one its "
-            "own: --socket-path (FEATPOOL_SOCKET_PATH)"
-        )
+        raise socket_in_use(f"another featpool server is serving {settings.socket_path}")
     if settings.transport == "cuda_vmm":
         _vmm_needs_cuda(device)
     if settings.fabric_listen is not None:

@@ -17,7 +17,13 @@ from typing import Any, cast
 import torch
 
 from app.admission import BoundedExecutor
-from app.backends import Capabilities, build_backends, resolve_device, wants_cuda
+from app.backends import (
+    Capabilities,
+    build_backends,
+    resolve_device,
+    socket_in_use,
+    wants_cuda,
+)
 from app.batcher import Batcher, BatchStats
 from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
@@ -281,10 +287,8 @@ class Engine:
         )
         try:
             self.server.start()
-        except SocketInUse as e:  # a second instance on one machine, most often
-            raise SocketInUse(
-                f"{e}; give this one its own: --socket-path (FEATPOOL_SOCKET_PATH)"
-            ) from e
+        except SocketInUse as e:  # started meanwhile: preflight() checked before the model
+            raise socket_in_use(str(e)) from e
         self._start_remote()
         if self.device.type == "cuda":  # one per prepare thread, taken for a batch
             for _ in range(s.prepare_threads):
