@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -126,8 +126,11 @@ def decoded_bytes(im: Image.Image) -> int:
         tile = getattr(im, "tile", None)
         raw = tile[0].args if tile else None
         sample = 2 if isinstance(raw, str) and ";16" in raw else 1
-    progressive = im.format in ("JPEG", "MPO") and bool(im.info.get("progressive"))
-    return w * h * channels * sample * (2 if progressive else 1)
+    return w * h * channels * sample * (2 if _progressive(im) else 1)
+
+
+def _progressive(im: Image.Image) -> bool:
+    return im.format in ("JPEG", "MPO") and bool(im.info.get("progressive"))
 
 
 def request_decoded_bytes(headers: Sequence[Header], limit: int) -> int:
@@ -171,10 +174,12 @@ def _open(
     im = Image.open(io.BytesIO(data))
     if im.format not in FORMATS:
         raise ApiError("unsupported_media_type", f"{label} is {im.format}; send {NAMES}")
-    if im.format in ("JPEG", "MPO"):
+    if _progressive(im):
         # Every scan of a progressive JPEG is decoded over the whole image: a few KB of repeated
-        # scans cost seconds of CPU each. 0xFF 0xDA is a start-of-scan marker wherever it is
-        # (entropy-coded data stuffs every 0xFF), an EXIF thumbnail's scans included.
+        # scans cost seconds of CPU each (a baseline JPEG's repeated scan fails at once, so
+        # only progressive ones are counted: no cost for the usual photo). 0xFF 0xDA is a
+        # start-of-scan marker wherever it is (entropy-coded data stuffs every 0xFF), an EXIF
+        # thumbnail's scans included.
         scans = (data if isinstance(data, bytes) else bytes(data)).count(b"\xff\xda")
         if scans > MAX_JPEG_SCANS:
             raise ApiError(
@@ -324,10 +329,10 @@ def _to_8bit(im: Image.Image) -> Image.Image:
         return Image.fromarray(out, "L")
     if im.mode == "I":
         w, h = im.size
-        strips = _strips(w, h, 8)
-        hi = max(1.0, *(float(np.asarray(im.crop((0, a, w, b))).max()) for a, b in strips))
+        _, brightest = cast(tuple[int, int], im.getextrema())  # one band: (min, max), in C
+        hi = max(1.0, float(brightest))
         out = np.empty((h, w), np.uint8)
-        for top, bottom in strips:
+        for top, bottom in _strips(w, h, 8):
             strip = np.asarray(im.crop((0, top, w, bottom)), dtype=np.float64)
             out[top:bottom] = (strip / hi * 255.0).clip(0, 255).astype(np.uint8)
         return Image.fromarray(out, "L")

@@ -81,8 +81,8 @@ class ServiceMiddleware:
         endpoint = endpoint_label(scope["path"])
         # Only uploads are large; every other body is a small JSON object, parsed on the
         # event loop: a body cap's worth of JSON there would stall every request for a second.
-        limit = self.max_body_bytes if scope["path"] == "/v1/encode" else SMALL_BODY_BYTES
-        limit = min(limit, self.max_body_bytes)
+        upload = scope["path"] == "/v1/encode"
+        limit = self.max_body_bytes if upload else min(SMALL_BODY_BYTES, self.max_body_bytes)
         started = time.perf_counter()
         status = 500
         response_started = False
@@ -162,7 +162,7 @@ class ServiceMiddleware:
                 send_wrapper,
                 "payload_too_large",
                 f"request body exceeds {limit} bytes"
-                + ("" if limit == self.max_body_bytes else f" (the limit of {scope['path']})"),
+                + ("" if upload else f" (the limit of {scope['path']})"),
             )
         except _BodyTimeoutError:
             if response_started:
