@@ -59,8 +59,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "featpool.socketPath" -}}
 {{- $v := .Values -}}
 {{- if and $v.socket.fileName (eq $v.socket.volume "hostPath") -}}
-{{- $surge := dig "rollingUpdate" "maxSurge" 0 $v.updateStrategy -}}
-{{- $alone := ternary (and (not $v.autoscaling.mode) (le (int $v.replicaCount) 1) (eq (dig "type" "" $v.updateStrategy) "Recreate")) (or (not $surge) (eq (toString $surge) "0") (eq (toString $surge) "0%")) (eq $v.kind "Deployment") -}}
+{{- /* A fixed name in a shared node directory: only where one pod at a time serves a node. */ -}}
+{{- $alone := false -}}
+{{- if eq $v.kind "Deployment" -}}
+{{- $alone = and (not $v.autoscaling.mode) (le (int $v.replicaCount) 1) (eq (dig "type" "" $v.updateStrategy) "Recreate") -}}
+{{- else -}}
+{{- $alone = has (toString (dig "rollingUpdate" "maxSurge" 0 $v.updateStrategy)) (list "0" "0%") -}}
+{{- end -}}
 {{- if not $alone -}}
 {{- fail (printf "socket.fileName=%s gives every pod on a node the same socket in the shared hostPath directory, so a second pod there (replicaCount>1, autoscaling, the surge pod of a rolling update) fails to start: leave fileName empty (a socket per pod; consumers find theirs through the index), or run one pod per node without overlap (kind=Deployment with replicaCount=1 and updateStrategy.type=Recreate, or a DaemonSet without maxSurge)" $v.socket.fileName) -}}
 {{- end -}}
