@@ -71,13 +71,13 @@ def test_one_image_over_its_decoded_limit_is_413_before_decode() -> None:
 
 
 PEAK = """
-import sys, threading
+import os, sys, threading
 import torch  # imported by the decode's last step: not part of what is measured
 from app.imaging import decode, inspect
+from bench.bench_memory import rss_mib
 
 def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    return rss_mib(os.getpid()) * 2**20
 
 data = open(sys.argv[1], "rb").read()
 limits = dict(max_pixels=10**8, max_bytes=1 << 30)

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.bench_memory import rss_mib
 from tests.conftest import image_bytes
 from tests.helpers import server_process, wait_until
 
@@ -121,11 +122,6 @@ def test_limits_leave_normal_requests_alone(server: tuple[str, int, int]) -> Non
     url, _, _ = server
     r = httpx.get(f"{url}/v1/pool?" + "a" * 4000, headers={f"x-{i}": "v" * 500 for i in range(40)})
     assert r.status_code == 200
-
-
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
 
 def test_stalled_bodies_are_answered_408_closed_and_their_memory_freed(
