@@ -358,6 +358,7 @@ async def pool_info(request: Request) -> dict[str, Any]:
 
 
 @ops.get("/health/live")
+@ops.head("/health/live", include_in_schema=False)  # HEAD: load balancers' probes
 async def live(request: Request) -> JSONResponse:
     try:
         await engine_client(request).check_health()
@@ -367,6 +368,7 @@ async def live(request: Request) -> JSONResponse:
 
 
 @ops.get("/health/ready")
+@ops.head("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     h = await engine_client(request).health()
     if not h.ready or h.dead_reason:
@@ -375,6 +377,7 @@ async def ready(request: Request) -> JSONResponse:
 
 
 @metrics_router.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain
+@metrics_router.head("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

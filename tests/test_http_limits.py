@@ -267,3 +267,16 @@ def test_a_deep_pipeline_is_answered_in_order_then_refused_and_closed(
     statuses = [status for status, _ in got]
     assert statuses[-1] == 429 and json_error(got[-1][1])["type"] == "queue_full"
     assert set(statuses[:-1]) == {200} and MAX_PIPELINED < len(statuses) - 1 < 200, statuses
+
+
+@pytest.mark.parametrize("where", ["server", "fronts_server"])
+def test_probes_answer_head_without_a_body(where: str, request: pytest.FixtureRequest) -> None:
+    """Load balancers and uptime checkers probe with HEAD: 200 and the GET's headers, no body."""
+    url, port, _ = request.getfixturevalue(where)
+    for path in ("/health/live", "/health/ready", "/metrics"):
+        status, headers, body = exchange(
+            port, b"HEAD %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode()
+        )
+        got = httpx.get(url + path, timeout=10)
+        assert (status, body) == (got.status_code, b"") and got.status_code == 200, path
+        assert headers["content-type"] == got.headers["content-type"], path
