@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -53,6 +54,22 @@ def _private_unix_socket(path: Path) -> socket.socket:
         os.umask(old)
     sock.listen(2048)
     return sock
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Every connection holds a file descriptor, and container runtimes often start a process
+    at a soft limit of 1,024 under a far higher hard one: 1,100 trickling connections took all
+    1,024 and the health probes failed with them. Raise the soft limit to the hard one (as
+    vLLM does at start-up); the fronts inherit it. Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel's usual nr_open
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 def _claim_port(host: str, port: int) -> socket.socket:
@@ -111,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     except (PoolError, ValueError) as e:
         sys.exit(f"featpool: {e}")
     logs.setup(settings.log_level, settings.log_json)
+    before, after = raise_fd_limit()
+    if after != before:
+        logging.getLogger("app").info(
+            "open files: soft limit %d -> %d (the hard limit)", before, after
+        )
     if settings.http_workers < 0:
         settings.http_workers = auto_http_workers(usable_cores(), wants_cuda(settings))
         logging.getLogger("app").info(

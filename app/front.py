@@ -139,6 +139,7 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
         metrics=app.state.metrics,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
+        min_body_bytes_per_s=settings.min_body_bytes_per_s,
     )
     return app
 

@@ -147,6 +147,7 @@ def create_app(
         metrics=metrics,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
+        min_body_bytes_per_s=settings.min_body_bytes_per_s,
     )
     return app
 

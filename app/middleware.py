@@ -1,7 +1,10 @@
 """Pure-ASGI middleware: request IDs, request metrics, the body-size limit (enforced while
 the body streams in, so a chunked upload cannot get past it either), the body timeout (a body
 that sends nothing for ``body_timeout_s`` is answered 408 and its connection closed, which
-frees what it had sent), and hang-up detection: a
+frees what it had sent), the minimum body rate (past that timeout, a body must have
+averaged ``min_body_bytes_per_s`` over the time spent waiting for it, else the same 408: a body
+trickled a byte per timeout no longer holds its connection for as long as it likes), and
+hang-up detection: a
 client that disconnects after sending its body but before the answer starts has its handler
 cancelled, so that work queued for it is dropped and leases made for it are released at once
 instead of living until their TTL."""
@@ -52,7 +55,8 @@ class _BodyTooLargeError(Exception):
 
 
 class _BodyTimeoutError(Exception):
-    pass
+    def __init__(self, too_slow: bool) -> None:
+        self.too_slow = too_slow  # under the minimum rate, rather than silent
 
 
 _SAFE_METHODS = frozenset({"GET", "HEAD"})  # HTTP's safe methods that this API serves
@@ -65,11 +69,13 @@ class ServiceMiddleware:
         metrics: HttpMetrics,
         max_body_bytes: int,
         body_timeout_s: float | None = None,
+        min_body_bytes_per_s: int = 0,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.min_body_bytes_per_s = min_body_bytes_per_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,6 +106,7 @@ class ServiceMiddleware:
             await send(message)
 
         received = 0
+        waited = 0.0  # seconds spent waiting for the body's pieces
         first: Message | None = None  # the empty body of a request without one, read early
         handler = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
@@ -113,16 +120,26 @@ class ServiceMiddleware:
                 handler.cancel()
 
         async def receive_wrapper() -> Message:
-            nonlocal received, watcher, first
+            nonlocal received, watcher, first, waited
             if first is not None:
                 message, first = first, None
                 return message
             if watcher is None and self.body_timeout_s is not None:
-                # Still reading the body: each piece must come within the timeout.
+                # Still reading the body: each piece must come within the timeout, and past
+                # the timeout the body must average the minimum rate over the time spent
+                # waiting for it (as Kestrel's MinRequestBodyDataRate: a handler slow to read
+                # does not count against the client). ``received`` bytes are enough until
+                # ``received / rate`` seconds of waiting.
+                wait = self.body_timeout_s
+                if rate := self.min_body_bytes_per_s:
+                    wait = min(wait, max(self.body_timeout_s, received / rate) - waited)
+                t0 = time.perf_counter()
                 try:
-                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                    message = await asyncio.wait_for(receive(), max(wait, 0.0))
                 except TimeoutError:
-                    raise _BodyTimeoutError from None
+                    raise _BodyTimeoutError(wait < self.body_timeout_s) from None
+                finally:
+                    waited += time.perf_counter() - t0
             else:
                 message = await receive()
             if message["type"] == "http.request":
@@ -164,7 +181,7 @@ class ServiceMiddleware:
                 f"request body exceeds {limit} bytes"
                 + ("" if upload else f" (the limit of {scope['path']})"),
             )
-        except _BodyTimeoutError:
+        except _BodyTimeoutError as e:
             if response_started:
                 raise
             TRIMMER.request()  # what the stalled body had sent goes back to the system
@@ -173,7 +190,10 @@ class ServiceMiddleware:
             await _send_error(
                 send_wrapper,
                 "body_timeout",
-                f"the request body sent nothing for {self.body_timeout_s} s "
+                f"the request body came slower than {self.min_body_bytes_per_s} bytes/s "
+                f"(--min-body-bytes-per-s): {received} bytes in {waited:.1f} s"
+                if e.too_slow
+                else f"the request body sent nothing for {self.body_timeout_s} s "
                 f"(--body-timeout-s); {received} bytes had arrived",
             )
         finally:

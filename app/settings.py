@@ -241,6 +241,12 @@ class Settings(BaseSettings):
         description="a request body that sends nothing for this long, or a request line and "
         "headers not all in within it, is answered 408 and its connection closed",
     )
+    min_body_bytes_per_s: int = Field(
+        1024,
+        ge=0,
+        description="past --body-timeout-s, a request body must have averaged this many bytes "
+        "a second since the request began, else 408 and its connection closed; 0: no minimum",
+    )
     max_url_bytes: int = Field(8192, gt=0, description="longest request URL; beyond -> 414")
     max_header_bytes: int = Field(
         64 * 1024, gt=0, description="largest request header block; beyond -> 431"

@@ -5,6 +5,7 @@ shape; a stalled body is answered 408 and its connection closed at the timeout."
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import time
 from collections.abc import Iterator
@@ -132,6 +133,7 @@ def test_stalled_bodies_are_answered_408_closed_and_their_memory_freed(
     what they had sent no longer holds the server's memory."""
     url, port, pid = server
     half = image_bytes("PNG", size=(1500, 1500))[: 4 * MiB]
+    timeouts = body_timeouts(url)
     before = rss_mib(pid)
     socks = []
     for _ in range(40):
@@ -162,9 +164,66 @@ def test_stalled_bodies_are_answered_408_closed_and_their_memory_freed(
     assert during - before > 80  # the half bodies were held while they stalled
     wait_until(lambda: rss_mib(pid) - before < (during - before) / 4, 5)
     assert rss_mib(pid) - before < (during - before) / 4, (before, during, rss_mib(pid))
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert 'featpool_rejected_total{reason="body_timeout"} 40.0' in metrics
+    assert body_timeouts(url) == timeouts + 40
     assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
+
+
+def body_timeouts(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    line = 'featpool_rejected_total{reason="body_timeout"} '
+    return next((float(m[len(line) :]) for m in metrics.splitlines() if m.startswith(line)), 0.0)
+
+
+def trickle_body(port: int, body: bytes, piece: int, every_s: float) -> tuple[bytes, float]:
+    """POST ``body`` to /v1/encode ``piece`` bytes every ``every_s`` (never silent for the
+    body timeout) until the server answers, for 15 s at most: (the answer, seconds taken)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        start = time.monotonic()
+        s.sendall(
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        s.settimeout(every_s)
+        for i in range(0, len(body), piece):
+            if time.monotonic() - start > 15:
+                break  # still not answered: the recv below times out and fails the test
+            try:
+                s.sendall(body[i : i + piece])
+                if s.recv(1, socket.MSG_PEEK):
+                    break  # answered
+            except TimeoutError:
+                continue
+            except OSError:  # closed under us: the answer is already there
+                break
+        s.settimeout(10)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:  # a piece that crossed the server's close: after its answer
+            assert out, "reset before any answer"
+        return out, time.monotonic() - start
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_answered_408(
+    server: tuple[str, int, int],
+) -> None:
+    """A body trickled a few bytes at a time, never silent for --body-timeout-s, held its
+    connection (and an FD) for as long as the client liked: enough of them exhaust the FDs.
+    Past the timeout (1.5 s here) a body must now average --min-body-bytes-per-s (1024 by
+    default) over the time spent waiting for it; an upload at 8 KiB/s is untouched."""
+    url, port, _ = server
+    jpeg = image_bytes("JPEG", size=(320, 240))
+    timeouts = body_timeouts(url)
+    out, took = trickle_body(port, b"\xff" * 100_000, piece=8, every_s=0.25)
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    err = json_error(out.partition(b"\r\n\r\n")[2])
+    assert err["type"] == "body_timeout" and "slower than 1024 bytes/s" in err["message"], err
+    assert 1.2 < took < 6, took
+    assert body_timeouts(url) == timeouts + 1
+    out, took = trickle_body(port, jpeg, piece=2048, every_s=0.25)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert took > 1.5  # slower than the grace, above the rate
 
 
 @pytest.mark.parametrize("trickle", [False, True], ids=["silent", "trickling headers"])
@@ -280,3 +339,27 @@ def test_probes_answer_head_without_a_body(where: str, request: pytest.FixtureRe
         got = httpx.get(url + path, timeout=10)
         assert (status, body) == (got.status_code, b"") and got.status_code == 200, path
         assert headers["content-type"] == got.headers["content-type"], path
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
+    """Each connection holds an FD: started at a soft limit of 512 under a higher hard one (as
+    container runtimes often start a process), the server and its fronts run at the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        server = started(tmp_path, "--http-workers", "1")
+        _, _, pid = next(server)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        assert children, "no front process"
+        for p in [pid, *map(int, children)]:
+            line = next(
+                x for x in Path(f"/proc/{p}/limits").read_text().splitlines() if "open files" in x
+            )
+            assert line.split()[3] == line.split()[4] != "512", line
+    finally:
+        server.close()
