@@ -7,13 +7,17 @@ The subclasses here answer those in the service's JSON shape ``{"error": {"type"
 counted while they arrive so that neither can grow without limit, and in time: a connection
 whose request line and headers have not all come within ``--body-timeout-s`` of its first
 byte (or of its opening) is answered 408 and closed, so silent or trickling connections
-cannot pile up (each held an FD for as long as the client liked). ``http_protocol(settings)``
+cannot pile up (each held an FD for as long as the client liked); likewise a connection whose
+client stops taking its answer is aborted. ``http_protocol(settings)``
 is the class to give uvicorn (``http=``): httptools where installed, as uvicorn's ``auto``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import termios
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -61,6 +65,8 @@ def http_protocol(settings: Settings) -> type[Any]:
     max_url = settings.max_url_bytes
     max_headers = settings.max_header_bytes
     head_timeout_s = settings.body_timeout_s
+    # An answer the client does not take: at least this much of what waits must go each period.
+    drain_bytes = max(1, int(settings.min_body_bytes_per_s * head_timeout_s))
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: h11, whose own event-size bound covers URL + headers
@@ -84,7 +90,48 @@ def http_protocol(settings: Settings) -> type[Any]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
             super().connection_lost(exc)
+
+        # A client that asks for answers and does not read them (a tensor of megabytes on each
+        # of many connections) held each answer in this process for as long as it liked.
+        # While an answer waits above the transport's high-water mark (the handler is paused),
+        # each --body-timeout-s the client must take --min-body-bytes-per-s worth of it (one
+        # byte if that is 0), else the connection is aborted and the answer dropped.
+        _write_timer: Any = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._watch_writes(self._unsent())
+
+        def _unsent(self) -> int:
+            """Bytes of the answer the client has not acknowledged: this process's buffer and
+            the kernel's send queue (which drains in steps of a third of its size or more)."""
+            queued = 0
+            sock = self.transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                queued = int.from_bytes(
+                    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)), "little"
+                )
+            return self.transport.get_write_buffer_size() + queued
+
+        def resume_writing(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+            super().resume_writing()
+
+        def _watch_writes(self, waiting: int) -> None:
+            self._write_timer = self.loop.call_later(head_timeout_s, self._check_writes, waiting)
+
+        def _check_writes(self, waiting: int) -> None:
+            self._write_timer = None
+            left = self._unsent()
+            if waiting - left < drain_bytes:  # nothing is written while paused: only drained
+                self.transport.abort()
+            else:
+                self._watch_writes(left)
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:

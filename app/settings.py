@@ -245,7 +245,9 @@ class Settings(BaseSettings):
         1024,
         ge=0,
         description="past --body-timeout-s, a request body must have averaged this many bytes "
-        "a second since the request began, else 408 and its connection closed; 0: no minimum",
+        "a second over the time spent waiting for it, else 408 and its connection closed; a "
+        "client must take this much of a large answer each --body-timeout-s, else it is "
+        "disconnected; 0: no minimum",
     )
     max_url_bytes: int = Field(8192, gt=0, description="longest request URL; beyond -> 414")
     max_header_bytes: int = Field(

@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import resource
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from app.http_protocol import http_protocol
 from bench.bench_memory import rss_mib
 from tests.conftest import image_bytes
-from tests.helpers import server_process, wait_until
+from tests.helpers import server_process, small_settings, wait_until
 
 MiB = 1 << 20
 
@@ -363,3 +367,58 @@ def test_the_open_files_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
             assert line.split()[3] == line.split()[4] != "512", line
     finally:
         server.close()
+
+
+def test_an_answer_the_client_does_not_take_is_dropped(tmp_path: Path) -> None:
+    """A client that asks for a large answer (a tensor of megabytes) and reads none of it held
+    that answer in the server for as long as it liked, on each of as many connections as it
+    opened. While an answer waits above the transport's high-water mark, each
+    --body-timeout-s (1 s here) the client must now take --min-body-bytes-per-s worth of it,
+    else the connection is aborted; a client reading at 4 MiB/s gets the whole answer."""
+    size = 24 * MiB  # well beyond what the kernel's socket buffers take on loopback
+
+    async def big(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"\0" * size})
+
+    settings = small_settings(tmp_path, body_timeout_s=1.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(big, http=http_protocol(settings), lifespan="off", log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, 10)
+
+    def read_all(s: socket.socket, every_s: float = 0.0) -> int:
+        got = 0
+        try:
+            while chunk := s.recv(1 << 20 if not every_s else 64 << 10):
+                got += len(chunk)
+                if every_s:
+                    time.sleep(every_s)
+                if got >= size:
+                    break
+        except ConnectionResetError:
+            pass
+        return got
+
+    try:
+        idle = []
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            idle.append(s)
+        reader = socket.create_connection(("127.0.0.1", port), timeout=10)
+        reader.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        started_reading = time.monotonic()
+        assert read_all(reader, every_s=1 / 64) >= size  # 4 MiB/s: slow, but taking it
+        assert time.monotonic() - started_reading > 3  # several timeout periods went by
+        for s in idle:
+            assert read_all(s) < size  # aborted with most of its answer never sent
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
