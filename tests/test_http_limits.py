@@ -369,7 +369,8 @@ def test_the_open_files_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
         server.close()
 
 
-def test_an_answer_the_client_does_not_take_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])  # uvloop where installed, and asyncio's
+def test_an_answer_the_client_does_not_take_is_dropped(tmp_path: Path, loop: str) -> None:
     """A client that asks for a large answer (a tensor of megabytes) and reads none of it held
     that answer in the server for as long as it liked, on each of as many connections as it
     opened. While an answer waits above the transport's high-water mark, each
@@ -386,7 +387,9 @@ def test_an_answer_the_client_does_not_take_is_dropped(tmp_path: Path) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(big, http=http_protocol(settings), lifespan="off", log_level="error")
+    config = uvicorn.Config(
+        big, http=http_protocol(settings), lifespan="off", log_level="error", loop=loop
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
