@@ -29,7 +29,7 @@ from app.encoders import build_encoder
 from app.encoders.base import DynamicEncoder, Encoder, is_dynamic
 from app.engine_client import ImageIn
 from app.errors import RETRY_AFTER, ApiError
-from app.featindex import FeatureIndex, content_digest, feature_hash, identity_digest
+from app.featindex import Entry, FeatureIndex, content_digest, feature_hash, identity_digest
 from app.gpu_decode import ByteSpans, Held, JpegDecoder, held, preprocess
 from app.imaging import ImageData, decode, decode_upright, image_limits, inspect
 from app.job_arena import ArenaView
@@ -518,13 +518,23 @@ class Engine:
                 continue
             if named_as.setdefault(name, digest) != digest:
                 raise ApiError("id_conflict", f"id {name!r} names two different images")
+            bound = self.index.resolve(scope, name)
+            if bound is not None and bound != digest:
+                self._resident(scope, bound)  # an id whose leases have all ended is free
             self.index.check_id(scope, name, digest)  # 409 before any work
         out: list[Lease | None] = [None] * len(images)
         indexed: list[tuple[str, str]] = []  # (hash, lease id) this request put in the index
         try:
             if self.index.max_entries > 0:
+                # Under the wait policy a copy may wait for room: off the event loop then, so
+                # that the DELETE that would make room can be served meanwhile.
+                waits = self.pool.policy == "wait"
                 for i, digest in enumerate(digests):
-                    lease = self._reuse(scope, digest, ttl_s)
+                    lease = (
+                        await asyncio.to_thread(self._reuse, scope, digest, ttl_s)
+                        if waits
+                        else self._reuse(scope, digest, ttl_s)
+                    )
                     if lease is not None:
                         out[i] = named(lease, digest, True)
             todo = [i for i, lease in enumerate(out) if lease is None]
@@ -545,6 +555,7 @@ class Engine:
                         shape=made.shape,
                         dtype=made.dtype,
                         client_id=names[i],
+                        deadline=self._deadline_of,
                     )
                     indexed.append((digests[i], made.id))
         except BaseException:
@@ -584,16 +595,7 @@ class Engine:
         if self.pool is None:
             raise ApiError("not_ready", "the pool is not built yet")
         digest = self.index.resolve(scope, ref)
-        entry, candidates = self.index.candidates(scope, digest) if digest else (None, [])
-        for lease_id in candidates:
-            try:
-                self.pool.get(lease_id)
-                break
-            except PoolError:
-                assert digest is not None
-                self.index.forget_lease(scope, digest, lease_id)
-        else:
-            entry = None
+        entry = self._resident(scope, digest) if digest else None
         if entry is None or digest is None:
             raise ApiError(
                 "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
@@ -607,6 +609,27 @@ class Engine:
                 f"not {dtype or entry.dtype} {list(shape) if shape else list(entry.shape)}",
             )
         return digest, entry.shape, entry.dtype
+
+    def _resident(self, scope: str, digest: str) -> Entry | None:
+        """The index entry of ``digest`` if one of its leases is still live; the ended ones
+        are forgotten on the way (the entry, and the ids naming it, with the last)."""
+        assert self.pool is not None
+        entry, candidates = self.index.candidates(scope, digest)
+        for lease_id in candidates:
+            try:
+                self.pool.get(lease_id)
+                return entry
+            except PoolError:
+                self.index.forget_lease(scope, digest, lease_id)
+        return None
+
+    def _deadline_of(self, lease_id: str) -> float | None:
+        """A lease's deadline (monotonic), or None once it has ended."""
+        assert self.pool is not None
+        try:
+            return self.pool.get(lease_id).deadline
+        except PoolError:
+            return None
 
     def lease_features(
         self,
@@ -630,7 +653,14 @@ class Engine:
             raise ApiError(
                 "feature_not_found", f"no features for {ref[:80]!r} are resident in this pool"
             )
-        self.index.add(scope, digest, lease.id, shape=lease.shape, dtype=lease.dtype)
+        self.index.add(
+            scope,
+            digest,
+            lease.id,
+            shape=lease.shape,
+            dtype=lease.dtype,
+            deadline=self._deadline_of,
+        )
         return named(lease, digest, True)
 
     def _prepare(self, img: ImageIn, size: int | None) -> Job:
@@ -1034,7 +1064,7 @@ class Engine:
         """Give back a lease nobody will read; one that already ended is fine."""
         try:
             if self.pool is not None:
-                self.pool.release(lease_id)
+                self.pool.release(lease_id, reason="discarded")
         except PoolError:
             pass
 

@@ -17,7 +17,10 @@ as an eviction with reason ``ended``.
 
 Bound. At most ``max_entries`` entries (and as many client ids); the least recently used entry
 (looked up, hit or stored) goes first, counted with reason ``capacity``. Dropping an entry
-forgets it; its leases live on for their holders.
+forgets it; its leases live on for their holders. An entry remembers at most
+``MAX_LEASES_PER_ENTRY`` leases: past that, the ended ones and then those that end first are
+forgotten, so that the entry stays as long as the longest-lived lease it had (an encode with a
+long TTL followed by many short hits keeps the first).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,7 +153,11 @@ class FeatureIndex:
         shape: tuple[int, ...],
         dtype: str,
         client_id: str | None = None,
+        deadline: Callable[[str], float | None] | None = None,
     ) -> None:
+        """Index ``lease_id`` as holding ``digest``'s features. ``deadline`` tells a lease's
+        deadline (None once ended), to choose which leases to forget past the cap; without
+        it the oldest are."""
         with self._lock:
             if client_id is not None:  # two requests naming other images with one id at once
                 self._check_id_locked(scope, client_id, digest)
@@ -158,7 +166,13 @@ class FeatureIndex:
             if entry is None or entry.shape != shape or entry.dtype != dtype:
                 entry = self._entries[key] = Entry(shape, dtype)
             entry.lease_ids.insert(0, lease_id)
-            del entry.lease_ids[MAX_LEASES_PER_ENTRY:]
+            if len(entry.lease_ids) > MAX_LEASES_PER_ENTRY:
+                if deadline is None:
+                    del entry.lease_ids[MAX_LEASES_PER_ENTRY:]
+                else:
+                    ends = {i: t for i in entry.lease_ids if (t := deadline(i)) is not None}
+                    keep = sorted(ends, key=ends.__getitem__)[-MAX_LEASES_PER_ENTRY:]
+                    entry.lease_ids = [i for i in entry.lease_ids if i in keep]  # newest first
             self._entries.move_to_end(key)
             if client_id is not None:
                 self._ids[(scope, client_id)] = digest

@@ -52,7 +52,11 @@ class InProcessEngineClient(EngineClient):
         return FeatureInfo(feature_hash=digest, shape=list(shape), dtype=dtype)
 
     async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
-        lease = self.engine.lease_features(q.scope, q.ref, ttl_s, q.shape, q.dtype)
+        args = (q.scope, q.ref, ttl_s, q.shape, q.dtype)
+        if self._pool().policy == "wait":  # the copy may wait for room: not on the event loop
+            lease = await asyncio.to_thread(self.engine.lease_features, *args)
+        else:
+            lease = self.engine.lease_features(*args)
         return self._pool().describe(lease)
 
     async def lease(self, lease_id: str) -> LeaseDescriptor:

@@ -106,7 +106,10 @@ class PoolCollector(Collector):
             created.add_metric([tier], n)
         yield created
         released = CounterMetricFamily(
-            "featpool_leases_released", "Leases ended by consumer ack or DELETE", labels=["reason"]
+            "featpool_leases_released",
+            "Leases ended: by consumer ack, DELETE, or discarded (made for a request that failed "
+            "or went away, never given to anyone)",
+            labels=["reason"],
         )
         for reason, n in s["released"].items():
             released.add_metric([reason], n)

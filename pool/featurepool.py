@@ -177,7 +177,7 @@ class FeaturePool:
         self.closed = False
         # Counters, read by the metrics collector at scrape time.
         self.created: Counter[str] = Counter()  # by tier
-        self.released: Counter[str] = Counter()  # by reason: ack, delete
+        self.released: Counter[str] = Counter()  # by reason: ack, delete, discarded
         self.expired: Counter[str] = Counter()  # by tier
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # by (reason, tier fallen to)
         self.alloc_failures: Counter[str] = Counter()  # by tier
@@ -353,7 +353,7 @@ class FeaturePool:
         with self._lock:
             for lease in leases:
                 if self.leases.by_slot(lease.slot) is lease:
-                    self._end(lease, reason=None)
+                    self._end(lease, reason="discarded")
 
     def _mark_ready(self, leases: Sequence[Lease]) -> None:
         """The copies are done (or queued on the device): the leases are ready, or expired if
@@ -501,9 +501,11 @@ class FeaturePool:
         with self._lock:
             return self.leases.renew(self._live(lease_id).id, ttl)
 
-    def release(self, lease_id: str) -> Lease:
+    def release(self, lease_id: str, reason: str = "delete") -> Lease:
+        """End a live lease: a DELETE (``delete``), or ``discarded``: made for a request that
+        failed or went away, never given to anyone."""
         with self._lock:
-            return self._end(self._live(lease_id), reason="delete")
+            return self._end(self._live(lease_id), reason=reason)
 
     def _live(self, lease_id: str) -> Lease:
         """The lease, if it is live now: one acked by its consumers, or past its deadline, is
@@ -564,7 +566,7 @@ class FeaturePool:
         with self._lock:
             if self.leases.by_slot(src.slot) is not src:
                 if self.leases.by_slot(lease.slot) is lease:
-                    self._end(lease, reason=None)
+                    self._end(lease, reason="discarded")
                 raise StaleLease(f"lease {lease_id} ended while it was being copied")
         return lease
 

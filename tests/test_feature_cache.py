@@ -7,10 +7,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -18,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load
 
 from tests.conftest import image_bytes, occupancy
+from tests.helpers import live_server, small_settings
 
 CAT = image_bytes("JPEG", size=(40, 30), seed=1)
 DOG = image_bytes("JPEG", size=(40, 30), seed=2)
@@ -343,3 +347,98 @@ def test_a_request_refused_when_binding_releases_every_lease_and_binds_no_id(
     monkeypatch.undo()
     assert c.get("/v1/features/a").status_code == 404
     assert upload(c, DOG, "?id=a").status_code == 200  # `a` names nothing: free for DOG
+
+
+def test_an_id_whose_leases_ended_is_free_again(make_client: Callable[..., TestClient]) -> None:
+    """The id of released features is free for other bytes at once: it answered 409 (``release
+    those leases first``) after they were released, until some lookup happened to prune it."""
+    c = make_client()
+    first = upload(c, CAT, "?id=pet").json()["items"][0]
+    assert upload(c, DOG, "?id=pet").status_code == 409  # still resident: taken
+    assert c.delete(f"/v1/leases/{first['lease_id']}").status_code == 204
+    r = upload(c, DOG, "?id=pet")
+    assert r.status_code == 200, r.text
+    assert c.get("/v1/features/pet").json()["feature_hash"] == r.json()["items"][0]["feature_hash"]
+
+
+def test_many_short_hits_do_not_forget_the_long_lease(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """An encode with a long TTL, then more short-lived hits at once than an entry remembers
+    (the vLLM connector's pattern): once they end, the features are still resident through the
+    first lease. Before, each hit pushed out the oldest lease the entry named, the long one."""
+    from app.featindex import MAX_LEASES_PER_ENTRY
+
+    c = make_client()
+    first = upload(c, CAT, "?ttl_s=3600").json()["items"][0]
+    ref = first["feature_hash"]
+    hits = [c.post(f"/v1/features/{ref}/lease?ttl_s=60") for _ in range(MAX_LEASES_PER_ENTRY)]
+    assert all(h.status_code == 200 for h in hits)
+    for h in hits:
+        assert c.delete(f"/v1/leases/{h.json()['lease_id']}").status_code == 204
+    assert c.get(f"/v1/features/{ref}").status_code == 200
+    again = upload(c, CAT).json()["items"][0]
+    assert again["cached"] is True and encoded(c) == 1
+
+
+def test_a_failed_request_discards_its_hits_without_counting_a_delete(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """A resident image beside a broken one: 400, no lease left, and the hit's copy given back
+    counted as ``discarded``, not as a DELETE nobody sent; created = ended + active."""
+    c = make_client()
+    upload(c, OWL)
+    used = occupancy(c)
+    broken = image_bytes("PNG", size=(24, 24), seed=5)[:-40]  # the header still parses
+    files = [("image", ("a.png", OWL, "image/png")), ("image", ("b.png", broken, "image/png"))]
+    r = c.post("/v1/encode", files=files)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_image", r.text
+    assert occupancy(c) == used
+    assert metric(c, "featpool_leases_released_total", reason="delete") == 0
+    assert metric(c, "featpool_leases_released_total", reason="discarded") == 1
+    created = metric(c, "featpool_leases_created_total", tier="host") + metric(
+        c, "featpool_leases_created_total", tier="inline"
+    )
+    assert created == 2 == 1 + used[1]
+
+
+def test_a_hit_waiting_for_room_leaves_the_server_answering(tmp_path: Path) -> None:
+    """Under ``--fallback wait`` a hit's copy waits for room: it waited on the event loop, so
+    the DELETE that would make room could not be served until the wait gave up (503 after
+    --fallback-wait-s, the DELETE answered only then). Now the DELETE is served at once and the
+    waiting lease gets the room it made."""
+    settings = small_settings(
+        tmp_path,
+        host_pool_bytes=2 << 20,
+        slab_bytes=2 << 20,
+        fallback="wait",
+        fallback_wait_s=3.0,
+    )
+    with live_server(settings) as live:
+        first = httpx.post(
+            f"{live.url}/v1/encode", content=CAT, headers={"content-type": "image/jpeg"}
+        ).json()["items"][0]
+        ref, pool = first["feature_hash"], live.app.state.engine.pool
+        held = [first["lease_id"]]
+
+        def room() -> int:
+            return int(httpx.get(f"{live.url}/v1/pool").json()["tiers"][0]["largest_free_bytes"])
+
+        while room() >= first["nbytes"]:  # filled with copies, in-process: quicker than HTTP
+            held.append(pool.copy_lease(first["lease_id"], 600).id)
+        result: dict[str, Any] = {}
+
+        def lease() -> None:
+            start = time.monotonic()
+            r = httpx.post(f"{live.url}/v1/features/{ref}/lease", timeout=10)
+            result.update(status=r.status_code, took=time.monotonic() - start)
+
+        waiter = threading.Thread(target=lease)
+        waiter.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.delete(f"{live.url}/v1/leases/{held[-1]}", timeout=10).status_code == 204
+        deleted = time.monotonic() - start
+        waiter.join(10)
+        assert deleted < 1.0, deleted  # served while the copy waits
+        assert result["status"] == 200 and result["took"] < 2.0, result
