@@ -28,9 +28,12 @@ Scheduler side (the engine-core process):
 Worker side (each GPU worker):
   start_load_caches            maps each lease through the hand-off socket (pool.client). GPU
                                tier, same device, same dtype: the pool's memory itself becomes
-                               the encoder-cache entry (zero-copy); its lease is held until vLLM
-                               frees the entry. Host tier (or another dtype/device): copied to the
-                               device, and the lease released at once. Inline: fetched over HTTP.
+                               the encoder-cache entry (zero-copy); its lease is held, and
+                               renewed every lease_ttl_s / 3 by a thread of the worker's, until
+                               vLLM frees the entry (past its deadline and the pool's quarantine
+                               its memory would go to other features under vLLM). Host tier
+                               (or another dtype/device): copied to the device, and the lease
+                               released at once. Inline: fetched over HTTP.
                                Then releases the leases of entries vLLM freed.
 
 vLLM 0.34.0 is what this was built and tested against (see docs/integrations.md for the parts of
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +148,8 @@ class FeaturePoolECConnector(ECConnectorBase):
         self._client: FeatureClient | None = None
         self._open: dict[str, dict[str, Any]] = {}  # identifier -> descriptor, in the cache
         self._pending_free: set[str] = set()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
         model = vllm_config.model_config
         self._dtype: torch.dtype | None = getattr(model, "dtype", None) if model else None
 
@@ -244,8 +250,31 @@ class FeaturePoolECConnector(ECConnectorBase):
             encoder_cache[identifier] = tensor
             if keep:
                 self._open[identifier] = desc
+                if self._renewer is None:
+                    self._renewer = threading.Thread(
+                        target=self._renew_held, name="featpool-renew", daemon=True
+                    )
+                    self._renewer.start()
             else:
                 self._release(desc)
+
+    def _renew_held(self) -> None:
+        """Renew the leases whose memory is in vLLM's encoder cache, every third of their TTL,
+        also while no step runs: an entry outlives any TTL for as long as vLLM keeps it."""
+        while not self._stop.wait(self.ttl_s / 3):
+            for identifier, desc in list(self._open.items()):
+                if self._open.get(identifier) is not desc:
+                    continue  # freed meanwhile
+                try:
+                    self._pool().renew(desc, self.ttl_s)
+                except Exception as e:
+                    log.warning(
+                        "featpool lease %s of encoder-cache entry %s could not be renewed "
+                        "(%s): its memory may be reused once the pool's quarantine ends",
+                        desc.get("lease_id"),
+                        identifier,
+                        e,
+                    )
 
     def _load(self, desc: dict[str, Any]) -> tuple[torch.Tensor, bool]:
         """(the tensor for vLLM's encoder cache, whether it views the pool's memory)."""
@@ -277,6 +306,9 @@ class FeaturePoolECConnector(ECConnectorBase):
         return  # a consumer only: featpool produces the features
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=10)
         for desc in self._open.values():
             self._release(desc)
         self._open.clear()

@@ -31,6 +31,7 @@ producer) when the deadline could have passed.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -131,6 +132,9 @@ class FeatureClient:
         self._slabs: dict[tuple[str, int], SlabMapping] = {}
         self._transports: dict[str, str] = {}
         self._cuda: Any = None  # pool.backends.cuda_vmm.CudaConsumer when a GPU tier exists
+        # Leases this client marked opened, by id: release(id) acks them even once they ended
+        # (a lookup of an ended lease fails, and the mark would hold the memory until hang-up).
+        self._opened: dict[str, LeaseDescriptor] = {}
         self.epoch = ""
         self.welcome: dict[str, Any] = {}
 
@@ -393,10 +397,12 @@ class FeatureClient:
             return view()
         self._mark_opened(desc, ctrl, slot, gen)
         try:
-            return view()
+            out = view()
         except BaseException:  # no view for the caller to release: our mark must not hold it
             self._withdraw(slot, gen)
             raise
+        self._opened[desc.lease_id] = desc
+        return out
 
     def _mark_opened(self, desc: LeaseDescriptor, ctrl: ControlBlock, slot: int, gen: int) -> None:
         """Write our ``opened`` word, then (after a full fence) check the lease is still in
@@ -433,8 +439,10 @@ class FeatureClient:
         the GPU tier, after your reads); inline leases are released over the socket. The ack is
         written even if the lease already ended (it frees memory quarantined for you), then
         StaleLease says it had. Raises PoolRestarted for a lease of another epoch."""
-        desc = self._descriptor(lease)
+        mine = self._opened.get(lease) if isinstance(lease, str) else None
+        desc = mine or self._descriptor(lease)
         self._check_epoch(desc)
+        self._opened.pop(desc.lease_id, None)
         if desc.tier == INLINE:
             self._request({"op": "release", "lease_id": desc.lease_id})
             return
@@ -478,13 +486,20 @@ class FeatureClient:
         return self._ctrl
 
     def _check_epoch(self, desc: LeaseDescriptor) -> None:
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             raise HandoffError("client is closed; connect again")
         if desc.epoch != self.epoch:
             raise PoolRestarted(
                 f"lease {desc.lease_id} is from pool epoch {desc.epoch} but this client is "
-                f"attached to epoch {self.epoch}: the producer restarted; call reattach() and "
-                f"get new leases"
+                f"attached to epoch {self.epoch}: the producer restarted (call reattach() and "
+                f"get new leases), or the lease is another featpool's (map it through the "
+                f"socket of the server that made it)"
+            )
+        if _hung_up(sock):  # a dead producer's control block still reads as it left it
+            raise PoolRestarted(
+                "the producer closed this connection (it stopped or restarted): call "
+                "reattach() and get new leases"
             )
 
     def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -529,6 +544,7 @@ class FeatureClient:
         up: the producer frees what only this consumer held open. Tensors from ``open`` stay
         mapped (reading them does not fault) until they are gone, but their memory is the
         pool's again: a later put may overwrite it. Release or drop them first."""
+        self._opened.clear()  # the marks go with the connection
         try:
             self._unmap()
         finally:
@@ -547,6 +563,25 @@ class FeatureClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection, without waiting: the protocol sends nothing
+    unasked, so a readable socket outside a request is its end (an answer being read by
+    another thread's request peeks as bytes: not an end)."""
+    poller = select.poll()  # not select(): no limit on the descriptor's number
+    poller.register(sock.fileno(), select.POLLIN)
+    events = poller.poll(0)
+    if not events:
+        return False
+    if events[0][1] & (select.POLLHUP | select.POLLERR):
+        return True
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _raise_if_error(msg: dict[str, Any]) -> None:

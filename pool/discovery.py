@@ -96,6 +96,8 @@ class Entry:
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise ValueError(f"socket must be a file name, got {name!r}")
         uuid = data.get("gpu_uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise ValueError(f"gpu_uuid must be a string, got {uuid!r}")
         return cls(
             path=path,
             socket=path.parent / name,

@@ -197,6 +197,26 @@ def test_half_written_and_foreign_files_are_not_entries(tmp_path: Path) -> None:
     assert discovery.entries(tmp_path / "missing") == []
 
 
+def test_a_live_entry_with_a_malformed_field_is_skipped_not_fatal(tmp_path: Path) -> None:
+    """A locked (live-looking) entry whose gpu_uuid is a number raised AttributeError out of
+    entries() and find(): one bad file broke discovery for every consumer of the directory."""
+    import fcntl
+
+    good = discovery.publish(tmp_path / "good.sock", gpu_uuid=GPU_A, device="cpu", transport="x")
+    bad = tmp_path / "zz.sock.json"
+    bad.write_text(
+        json.dumps({"featpool_index": 1, "socket": "zz.sock", "gpu_uuid": 7, "started_at": 1e12})
+    )
+    fd = os.open(bad, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as its server would hold it
+        assert [e.socket.name for e in discovery.entries(tmp_path)] == ["good.sock"]
+        assert discovery.find(tmp_path, gpu_uuid=GPU_A).socket.name == "good.sock"
+    finally:
+        os.close(fd)
+        good.close()
+
+
 def test_an_entry_never_names_a_socket_outside_its_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="socket must be a file name"):
         discovery.Entry.parse(tmp_path / "e.json", {"socket": "../x.sock", "started_at": 1.0})

@@ -76,6 +76,52 @@ def test_release_acks_and_pool_recycles(served: tuple[FeaturePool, HandoffServer
         assert pool.stats()["released"] == {"ack": 5}
 
 
+@pytest.mark.parametrize("end", ["delete", "expiry"])
+def test_release_by_id_of_an_ended_lease_still_acks(
+    served: tuple[FeaturePool, HandoffServer], end: str
+) -> None:
+    """The README's pattern, ``open(id)`` then ``release(id)``, for a lease that ended while it
+    was open (a DELETE, or its deadline): the lookup of the id fails, so the ack was never
+    written and the memory stayed quarantined until the client hung up. Now the ack lands
+    (the client remembers what it opened), then StaleLease says the lease had ended."""
+    pool, server = served
+    lease = pool.put(torch.full((100,), 3.0), ttl_s=0.2 if end == "expiry" else 60)
+    with FeatureClient.connect(server.path) as c:
+        assert float(c.open(lease.id)[0]) == 3.0
+        if end == "delete":
+            pool.release(lease.id)
+        else:
+            time.sleep(0.3)
+            pool.reap()
+        assert pool.stats()["quarantined_leases"] == 1  # held for our open view
+        with pytest.raises(StaleLease):
+            c.release(lease.id)
+        pool.reap()
+        assert pool.stats()["quarantined_leases"] == 0
+        assert pool.stats()["tiers"][0]["used_bytes"] == 0
+
+
+def test_a_producer_that_hung_up_is_noticed_without_a_request(tmp_path: Path) -> None:
+    """The producer's server stopped (its pool's memory still mapped here, its words as they
+    were): is_current said True, open returned a view and release passed silently, where the
+    docs promise PoolRestarted. Now each sees the connection's end first."""
+    pool = FeaturePool([HostShmBackend([MiB])], max_leases=4)
+    server = HandoffServer(pool, tmp_path / "s.sock")
+    server.start()
+    lease = pool.describe(pool.put(torch.ones(8)))
+    c = FeatureClient.connect(server.path)
+    try:
+        assert c.is_current(lease) is True
+        server.close()
+        time.sleep(0.05)
+        for call in (c.is_current, c.open, c.release):
+            with pytest.raises(PoolRestarted, match="closed this connection"):
+                call(lease)
+    finally:
+        c.close()
+        pool.close()
+
+
 def test_stale_generation_is_detected(served: tuple[FeaturePool, HandoffServer]) -> None:
     pool, server = served
     old = pool.put(torch.ones(4))

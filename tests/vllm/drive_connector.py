@@ -91,6 +91,7 @@ def wait_for(pred: object, timeout_s: float = 5.0) -> bool:
     return bool(pred())  # type: ignore[operator]
 
 
+TTL = 1.5  # lease_ttl_s: short, so that a held lease is seen renewed past it
 config = VllmConfig(
     device_config=DeviceConfig(device="cpu"),
     ec_transfer_config=ECTransferConfig(
@@ -98,9 +99,9 @@ config = VllmConfig(
         ec_connector_module_path="featpool_vllm.connector",
         ec_role="ec_consumer",
         ec_connector_extra_config=(
-            {"url": URL, "socket": SOCKET, "lease_ttl_s": 120}
+            {"url": URL, "socket": SOCKET, "lease_ttl_s": TTL}
             if GPU_UUID is None
-            else {"socket_dir": str(Path(SOCKET).parent), "gpu_uuid": GPU_UUID, "lease_ttl_s": 120}
+            else {"socket_dir": str(Path(SOCKET).parent), "gpu_uuid": GPU_UUID, "lease_ttl_s": TTL}
         ),
     ),
 )
@@ -175,8 +176,12 @@ with runner.maybe_get_output(out1) as ec_out:
     assert got is not None
     check(torch.equal(got, expected), "they equal featpool's features bit for bit")
     check(got.device == torch.device("cpu"), "on the worker's device")
-time.sleep(0.1)
+time.sleep(2 * TTL)
 check(lease_state(held["lease_id"]) == 200, "the lease is held while vLLM's cache views it")
+check(
+    torch.equal(cache.encoder_outputs[digest], expected),
+    "renewed past its TTL with no step run: the entry still holds its features",
+)
 
 # vLLM evicts the entry: the scheduler reports it, the runner frees it, the lease ends.
 out2 = step([digest])
