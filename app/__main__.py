@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     # Front processes own the public port; this (GPU) process serves them on Unix sockets.
     _, core_http = channel_paths(settings.socket_path)
     core_http.parent.mkdir(parents=True, exist_ok=True)
+    holder = _claim_port(settings.host, settings.port)  # first: a start refused here leaves nothing
     # A fresh directory each start: the fronts' request metrics, summed by this process.
     front_metrics = Path(tempfile.mkdtemp(prefix="featpool-front-metrics-"))
     fronts: list[subprocess.Popen[bytes]] = []
@@ -179,7 +181,6 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(
         settings, front_metrics_dir=front_metrics, tune_gc=True, stop_fronts=stop_fronts
     )
-    holder = _claim_port(settings.host, settings.port)
     env = {
         **os.environ,
         **settings_env(settings),
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         holder.close()
         stop_fronts()  # (stopped already, unless start-up failed)
+        shutil.rmtree(front_metrics, ignore_errors=True)  # (the app's shutdown did, if it ran)
 
 
 FRONT_RESTART_PAUSE_S = 1.0

@@ -41,8 +41,15 @@ LATENCY_BUCKETS = (
     5.0,
     10.0,
     30.0,
+    60.0,  # past --body-timeout-s (30 s): a request answered 408 at it still lands in a bucket
+    120.0,
 )
-FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+# Host-side steps, microseconds usually; a publish under --fallback wait waits for room up to
+# --fallback-wait-s (0.5 s by default), so the buckets go on to seconds.
+FAST_BUCKETS = (
+    *(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
+    *(0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # The *_created series double the exposition and no dashboard uses them.

@@ -405,6 +405,7 @@ class FeaturePool:
             )
         with self._lock:
             reaped = False
+            failed: set[str] = set()  # tiers counted as failing this tensor: once each
             # Live and quarantined leases both hold slots; acks may be waiting to free some.
             if self.leases.free_slots == 0:
                 self._reap_locked(self._remote_acks())
@@ -416,7 +417,9 @@ class FeaturePool:
                 for tier in candidates if slots else []:
                     extent = tier.allocator.allocate(nbytes)
                     if extent is None:
-                        self.alloc_failures[tier.name] += 1
+                        if tier.name not in failed:  # not once per retry of a wait
+                            failed.add(tier.name)
+                            self.alloc_failures[tier.name] += 1
                         if reason is None:
                             too_big = nbytes > tier.allocator.max_extent
                             reason = "oversize" if too_big else "pool_full"

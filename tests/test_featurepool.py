@@ -105,10 +105,13 @@ def test_wait_policy_succeeds_when_space_frees_in_time() -> None:
 
 
 def test_wait_policy_gives_up_after_its_bound() -> None:
-    p = make_pool([4096], policy="wait", wait_s=0.05)
+    p = make_pool([4096], policy="wait", wait_s=0.3)
     p.put(torch.zeros(1024))
     with pytest.raises(PoolExhausted, match="policy wait"):
         p.put(torch.zeros(1024))
+    # One failure for the one tensor, not one per 10 ms retry of its wait (~30 here): the
+    # alert on failures per second fired for a single waiting request.
+    assert p.stats()["alloc_failures"] == {"host": 1}
     p.close()
 
 

@@ -185,3 +185,25 @@ def test_startup_line_lists_changed_settings_and_capabilities(
     assert "transport=host_shm" in line and "encoder=tiny-test" in line
     assert "'max_batch_size': 7" in line and "fabric=False" in line
     assert "hush" not in line  # secrets never reach the logs
+
+
+def test_a_publish_that_waits_for_room_lands_in_a_bucket(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """Under --fallback wait a publish waits up to --fallback-wait-s (1 s here) for room: such
+    waits fell above the top bucket (0.1 s) and the dashboard's publish p99 stopped there."""
+    c = make_client(
+        host_pool_bytes=2 << 20,
+        slab_bytes=2 << 20,
+        fallback="wait",
+        fallback_wait_s=1.0,
+        feature_cache_entries=0,
+    )
+    for n in (60,) * 8 + (1,):  # 481 leases fill the one slab
+        assert c.post("/v1/encode", files=[("image", TINY)] * n).status_code == 200
+    assert c.post("/v1/encode", files=[("image", TINY)]).status_code == 503
+    m = scrape(c)
+    count = value(m, "featpool_publish_duration_seconds_count")
+    slow = count - value(m, "featpool_publish_duration_seconds_bucket", le="0.5")
+    assert slow >= 1  # the waits were observed ...
+    assert value(m, "featpool_publish_duration_seconds_bucket", le="2.5") == count  # ... in range

@@ -205,6 +205,29 @@ def test_stopping_the_server_stops_the_fronts_and_removes_their_metrics(
     assert not metrics_dir.exists(), "the fronts' metrics directory was left behind"
 
 
+def test_a_start_refused_for_its_port_leaves_no_metrics_directory(tmp_path: Path) -> None:
+    """The fronts' metrics directory was made before the port was claimed: every start that
+    found its port taken left an empty featpool-front-metrics-* behind in the temp dir."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [
+                *(sys.executable, "-m", "app", "--device", "cpu", "--encoder", "tiny-test"),
+                *("--http-workers", "2", "--port", str(port)),
+                *("--socket-path", str(tmp_path / "fp.sock")),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode != 0 and "already in use" in r.stderr, r.stderr[-2000:]
+    assert not list(tmp_path.glob("featpool-front-metrics-*"))
+
+
 def test_connections_are_spread_over_the_fronts(
     fronted: tuple[str, Path, subprocess.Popen[bytes]],
 ) -> None:
