@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
+from prometheus_client.multiprocess import mark_process_dead
 from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             fronts.append(start_front())
         threading.Thread(
             target=_supervise_fronts,
-            args=(fronts, start_front, stopping),
+            args=(fronts, start_front, stopping, front_metrics),
             name="featpool-fronts",
             daemon=True,
         ).start()
@@ -228,6 +229,7 @@ def _supervise_fronts(
     fronts: list[subprocess.Popen[bytes]],
     start: Callable[[], subprocess.Popen[bytes]],
     stopping: threading.Event,
+    metrics_dir: Path,
 ) -> None:
     """A front that exits while the service runs (killed, out of memory, a bug) is reaped and
     replaced, and said so in the log: without this the port served on with one front fewer,
@@ -239,6 +241,8 @@ def _supervise_fronts(
             if code is None or stopping.is_set():
                 continue
             log.error("front process %d exited (%s); starting another", front.pid, code)
+            # Its last open-FD count (a "livemax" gauge) must not outlive it in the export.
+            mark_process_dead(front.pid, str(metrics_dir))  # type: ignore[no-untyped-call]
             stopping.wait(FRONT_RESTART_PAUSE_S)  # a front that dies at once does not spin
             if not stopping.is_set():
                 fronts[i] = start()

@@ -11,6 +11,8 @@ Run by ``python -m app`` when ``--http-workers`` is above zero; not meant to be 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -63,6 +65,17 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return out
 
 
+OPEN_FDS_EVERY_S = 5.0
+
+
+async def count_open_fds(metrics: HttpMetrics) -> None:
+    """This front's open file descriptors, every few seconds, for the FD alert."""
+    while True:
+        with contextlib.suppress(OSError):
+            metrics.front_open_fds.set(len(os.listdir("/proc/self/fd")))
+        await asyncio.sleep(OPEN_FDS_EVERY_S)
+
+
 def create_front_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     jobs_path, core_http = channel_paths(settings.socket_path)
@@ -83,9 +96,11 @@ def create_front_app(settings: Settings | None = None) -> FastAPI:
         # A front is a process of its own (python -m app.front).
         frozen = tune_collector(settings.gc_freeze, settings.gc_thresholds)
         log.info("front %d: gc: %d start-up objects frozen", os.getpid(), frozen)
+        counting = asyncio.get_running_loop().create_task(count_open_fds(metrics))
         try:
             yield
         finally:
+            counting.cancel()
             gc_clock.remove()
             app.state.inspector.shutdown()
             await jobs.close()

@@ -219,6 +219,15 @@ class HttpMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Only fronts set it: behind fronts the client connections are theirs, so the GPU
+        # process's own process_open_fds does not see them. The live front holding the most.
+        self.front_open_fds = Gauge(
+            "featpool_front_open_fds",
+            "Open file descriptors of the HTTP front process holding the most (0 without "
+            "fronts); they share process_max_fds, the GPU process's limit",
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         # Collector pauses of the front processes, summed (app/interpreter.py).
         self.front_gc_pause = Counter(
             "featpool_front_gc_pause_seconds",

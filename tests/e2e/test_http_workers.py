@@ -205,6 +205,33 @@ def test_stopping_the_server_stops_the_fronts_and_removes_their_metrics(
     assert not metrics_dir.exists(), "the fronts' metrics directory was left behind"
 
 
+def test_the_fronts_open_fds_are_exported(
+    fronted: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    """Behind fronts the client connections are the fronts' FDs, which the GPU process's
+    process_open_fds does not count: the FD alert was blind to them. The live front holding
+    the most is exported as featpool_front_open_fds."""
+    url, _, proc = fronted
+    port = int(url.rsplit(":", 1)[1])
+
+    def exported() -> float:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("featpool_front_open_fds "):
+                return float(line.split()[1])
+        return -1.0
+
+    assert wait_until(lambda: exported() > 0, 15)
+    idle = exported()
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    try:
+        most = max(established_on(port, p) for p in front_pids(proc.pid))
+        assert most >= 150  # two fronts share the 300
+        assert wait_until(lambda: exported() >= idle + most - 5, 15), (idle, most, exported())
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_a_start_refused_for_its_port_leaves_no_metrics_directory(tmp_path: Path) -> None:
     """The fronts' metrics directory was made before the port was claimed: every start that
     found its port taken left an empty featpool-front-metrics-* behind in the temp dir."""
