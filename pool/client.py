@@ -135,6 +135,7 @@ class FeatureClient:
         # Leases this client marked opened, by id: release(id) acks them even once they ended
         # (a lookup of an ended lease fails, and the mark would hold the memory until hang-up).
         self._opened: dict[str, LeaseDescriptor] = {}
+        self._closed_why = "client is closed; connect again"
         self.epoch = ""
         self.welcome: dict[str, Any] = {}
 
@@ -488,7 +489,7 @@ class FeatureClient:
     def _check_epoch(self, desc: LeaseDescriptor) -> None:
         sock = self._sock
         if sock is None:
-            raise HandoffError("client is closed; connect again")
+            raise HandoffError(self._closed_why)
         if desc.epoch != self.epoch:
             raise PoolRestarted(
                 f"lease {desc.lease_id} is from pool epoch {desc.epoch} but this client is "
@@ -505,7 +506,7 @@ class FeatureClient:
     def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             if self._sock is None:
-                raise HandoffError("client is closed; connect again")
+                raise HandoffError(self._closed_why)
             try:
                 send_msg(self._sock, msg)
                 reply, _ = recv_msg(self._sock)
@@ -520,6 +521,11 @@ class FeatureClient:
                 # lease's descriptor). The connection is dropped; reattach() makes a new one.
                 self._sock.close()
                 self._sock = None
+                self._closed_why = (
+                    f"the hand-off connection was dropped after a failed {msg.get('op')!r} "
+                    f"request (a timeout or a broken frame): call reattach(); the producer "
+                    f"no longer keeps the leases this client held open"
+                )
                 raise
         _raise_if_error(reply)
         return reply
@@ -545,6 +551,7 @@ class FeatureClient:
         mapped (reading them does not fault) until they are gone, but their memory is the
         pool's again: a later put may overwrite it. Release or drop them first."""
         self._opened.clear()  # the marks go with the connection
+        self._closed_why = "client is closed; connect again"
         try:
             self._unmap()
         finally:
