@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -70,6 +70,9 @@ def caller_scope(request: Request) -> str:
 
 
 class RenewIn(BaseModel):
+    # Strict: a number, as the socket protocol takes it (lax mode read true as 1 s, "5" as 5).
+    model_config = ConfigDict(strict=True)
+
     ttl_s: float | None = Field(
         None,
         ge=MIN_TTL_S,

@@ -97,6 +97,10 @@ def test_lease_lifecycle_get_renew_delete(make_client: Callable[..., TestClient]
     assert got["state"] == "ready"
     renewed = c.post(f"/v1/leases/{lid}/renew", json={"ttl_s": 500}).json()
     assert renewed["ttl_s"] == 500 and renewed["expires_at"] > got["expires_at"]
+    for junk in (True, "5", [5]):  # a number or nothing: true was read as 1 s
+        r = c.post(f"/v1/leases/{lid}/renew", json={"ttl_s": junk})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", junk
+    assert c.get(f"/v1/leases/{lid}").json()["ttl_s"] == 500
     assert c.delete(f"/v1/leases/{lid}").status_code == 204
     assert occupancy(c) == (0, 0)
     for method, path in (
