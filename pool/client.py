@@ -31,7 +31,6 @@ producer) when the deadline could have passed.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -487,8 +486,7 @@ class FeatureClient:
         return self._ctrl
 
     def _check_epoch(self, desc: LeaseDescriptor) -> None:
-        sock = self._sock
-        if sock is None:
+        if self._sock is None:
             raise HandoffError(self._closed_why)
         if desc.epoch != self.epoch:
             raise PoolRestarted(
@@ -496,11 +494,6 @@ class FeatureClient:
                 f"attached to epoch {self.epoch}: the producer restarted (call reattach() and "
                 f"get new leases), or the lease is another featpool's (map it through the "
                 f"socket of the server that made it)"
-            )
-        if _hung_up(sock):  # a dead producer's control block still reads as it left it
-            raise PoolRestarted(
-                "the producer closed this connection (it stopped or restarted): call "
-                "reattach() and get new leases"
             )
 
     def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -570,25 +563,6 @@ class FeatureClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _hung_up(sock: socket.socket) -> bool:
-    """Whether the peer closed the connection, without waiting: the protocol sends nothing
-    unasked, so a readable socket outside a request is its end (an answer being read by
-    another thread's request peeks as bytes: not an end)."""
-    poller = select.poll()  # not select(): no limit on the descriptor's number
-    poller.register(sock.fileno(), select.POLLIN)
-    events = poller.poll(0)
-    if not events:
-        return False
-    if events[0][1] & (select.POLLHUP | select.POLLERR):
-        return True
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
 
 
 def _raise_if_error(msg: dict[str, Any]) -> None:

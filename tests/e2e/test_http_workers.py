@@ -224,8 +224,10 @@ def test_the_fronts_open_fds_are_exported(
     idle = exported()
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
     try:
+        # two fronts share the 300, by a hash of each connection: not evenly (136 / 164 seen)
+        assert wait_until(lambda: sum(established_on(port, p) for p in front_pids(proc.pid)) == 300)
         most = max(established_on(port, p) for p in front_pids(proc.pid))
-        assert most >= 150  # two fronts share the 300
+        assert most >= 100
         assert wait_until(lambda: exported() >= idle + most - 5, 15), (idle, most, exported())
     finally:
         for s in held:
