@@ -12,7 +12,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -51,6 +51,7 @@ from pool.leases import ImageGrid, Lease
 from pool.server import FabricHandoffServer, HandoffServer, Limits
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BATCHES_ON_GPU = 2  # launched but unfinished; more would only grow the GPU queue
 
@@ -526,15 +527,8 @@ class Engine:
         indexed: list[tuple[str, str]] = []  # (hash, lease id) this request put in the index
         try:
             if self.index.max_entries > 0:
-                # Under the wait policy a copy may wait for room: off the event loop then, so
-                # that the DELETE that would make room can be served meanwhile.
-                waits = self.pool.policy == "wait"
                 for i, digest in enumerate(digests):
-                    lease = (
-                        await asyncio.to_thread(self._reuse, scope, digest, ttl_s)
-                        if waits
-                        else self._reuse(scope, digest, ttl_s)
-                    )
+                    lease = await self.maybe_waiting(self._reuse, scope, digest, ttl_s)
                     if lease is not None:
                         out[i] = named(lease, digest, True)
             todo = [i for i, lease in enumerate(out) if lease is None]
@@ -609,6 +603,14 @@ class Engine:
                 f"not {dtype or entry.dtype} {list(shape) if shape else list(entry.shape)}",
             )
         return digest, entry.shape, entry.dtype
+
+    async def maybe_waiting(self, copy: Callable[..., T], *args: Any) -> T:
+        """``copy(*args)``, a call that copies features into the pool: under the wait policy
+        it may wait for room, so it runs off the event loop then (the DELETE that would make
+        room is served meanwhile); at once otherwise."""
+        if self.pool is not None and self.pool.policy == "wait":
+            return await asyncio.to_thread(copy, *args)
+        return copy(*args)
 
     def _resident(self, scope: str, digest: str) -> Entry | None:
         """The index entry of ``digest`` if one of its leases is still live; the ended ones

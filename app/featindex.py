@@ -152,12 +152,11 @@ class FeatureIndex:
         *,
         shape: tuple[int, ...],
         dtype: str,
+        deadline: Callable[[str], float | None],
         client_id: str | None = None,
-        deadline: Callable[[str], float | None] | None = None,
     ) -> None:
         """Index ``lease_id`` as holding ``digest``'s features. ``deadline`` tells a lease's
-        deadline (None once ended), to choose which leases to forget past the cap; without
-        it the oldest are."""
+        deadline (None once ended), to choose which leases to forget past the cap."""
         with self._lock:
             if client_id is not None:  # two requests naming other images with one id at once
                 self._check_id_locked(scope, client_id, digest)
@@ -167,12 +166,9 @@ class FeatureIndex:
                 entry = self._entries[key] = Entry(shape, dtype)
             entry.lease_ids.insert(0, lease_id)
             if len(entry.lease_ids) > MAX_LEASES_PER_ENTRY:
-                if deadline is None:
-                    del entry.lease_ids[MAX_LEASES_PER_ENTRY:]
-                else:
-                    ends = {i: t for i in entry.lease_ids if (t := deadline(i)) is not None}
-                    keep = sorted(ends, key=ends.__getitem__)[-MAX_LEASES_PER_ENTRY:]
-                    entry.lease_ids = [i for i in entry.lease_ids if i in keep]  # newest first
+                ends = {i: t for i in entry.lease_ids if (t := deadline(i)) is not None}
+                keep = sorted(ends, key=ends.__getitem__)[-MAX_LEASES_PER_ENTRY:]
+                entry.lease_ids = [i for i in entry.lease_ids if i in keep]  # newest first
             self._entries.move_to_end(key)
             if client_id is not None:
                 self._ids[(scope, client_id)] = digest

@@ -52,11 +52,9 @@ class InProcessEngineClient(EngineClient):
         return FeatureInfo(feature_hash=digest, shape=list(shape), dtype=dtype)
 
     async def lease_features(self, q: FeatureQuery, ttl_s: float | None) -> LeaseDescriptor:
-        args = (q.scope, q.ref, ttl_s, q.shape, q.dtype)
-        if self._pool().policy == "wait":  # the copy may wait for room: not on the event loop
-            lease = await asyncio.to_thread(self.engine.lease_features, *args)
-        else:
-            lease = self.engine.lease_features(*args)
+        lease = await self.engine.maybe_waiting(
+            self.engine.lease_features, q.scope, q.ref, ttl_s, q.shape, q.dtype
+        )
         return self._pool().describe(lease)
 
     async def lease(self, lease_id: str) -> LeaseDescriptor:
